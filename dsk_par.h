@@ -101,11 +101,20 @@
        which keeps the bubble formula above (the unit-step run, a pair two steps) at the price
        of activations: min(warm-up + 1, m v) chunks in flight, 2 p instead of p on rank 0 under
        1F1B. The forwards and the backwards keep their unpaired order. GPipe has no pairs.
-     Timed (dsk_par_schedule_time): every rank's list run as the executor runs it (blocking sends and
-       receives in the list's order) with each stage's own forward and backward time and a link time per
-       message. The formulas above hold for equal stages; where the first or last stage carries the
-       embedding or the head, or the stages hold different numbers of MoE layers, the lists' fixed order
-       makes the faster stages wait on the slowest one's messages, and dsk_plan.h prices that.
+     Executed (dsk_par_pipeline_run): a receive is begun at its place in the list and finished just before
+       the computation that uses its data, so a stage never waits at a receive it does not need yet; sends
+       return once their message is out (host: in the transport's buffers; nccl: the stream keeps the
+       list's order). The lists place each transfer where the unit-step run met it, which, run in order with
+       rendezvous sends, stalls the interleaved schedule when a backward takes longer than a forward (a
+       stage reaches a receive whose sender is still in a backward): f = 1, b = 2 at p 2, m 16, v 2 take
+       121 units against the formula's 99; with the receives ahead they take the formula's 99.
+     Timed (dsk_par_schedule_time): every rank's list run as the executor runs it on a transport
+       (DSK_PAR_TRANSFERS_IN_ORDER: sends and receives in the list's order, a send meeting its receive, as
+       on nccl; DSK_PAR_TRANSFERS_AHEAD: sends leave at once, receives finish where their data is used, as
+       on the host backend with messages its buffers hold) with each stage's own forward and backward time
+       and a link time per message. The formulas above hold for equal stages; where the first or last stage
+       carries the embedding or the head, or the stages hold different numbers of MoE layers, the faster
+       stages wait on the slowest one's messages, and dsk_plan.h prices that.
    License: MIT, see the end of the file. */
 /* Contents. Each section starts with a rule comment "---- <title>"; search for the title.
    Declarations: the rank grid; tensor-parallel mappings; parallel linears; vocabulary
@@ -275,13 +284,21 @@ DSK_API dsk_status dsk_par_schedule_init_paired(dsk_par_schedule *s, dsk_par_sch
 DSK_API void dsk_par_schedule_free(dsk_par_schedule *s); /* zeroed/freed ok */
 /* (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) for the interleaved schedule. */
 DSK_API double dsk_par_bubble_fraction(dsk_par_schedule_kind kind, int stages, int micro, int chunks);
+/* How the transfers of a pipeline run meet (the header's "Executed" and "Timed"). */
+typedef enum dsk_par_transfers {
+    DSK_PAR_TRANSFERS_IN_ORDER = 0, /* each rank's sends and receives in its list's order, a send meeting its
+                                       receive, then both taking link_s (nccl: ordered on the stream) */
+    DSK_PAR_TRANSFERS_AHEAD         /* a send leaves at once and lands link_s later; a computation waits for its
+                                       input's message (the host backend, messages within its buffers) */
+} dsk_par_transfers;
 /* The time of a step under a schedule whose stages take different times: every rank runs its list
-   (dsk_par_schedule_init's, paired: _paired's) as dsk_par_pipeline_run does, the forward and the backward of
-   global stage s = c p + r (c < v) taking fwd_s[s] and bwd_s[s] seconds a micro-batch (a pair their sum), a send
-   and its receive meeting (blocking) and then taking link_s. *step_s: when the last rank ends, the bubble
-   included (equal stages, f + b a micro-batch and no link: the formula's (1 + bubble) m v (f + b)). */
+   (dsk_par_schedule_init's, paired: _paired's) as dsk_par_pipeline_run does on a transport whose transfers meet
+   as `transfers` says, the forward and the backward of global stage s = c p + r (c < v) taking fwd_s[s] and
+   bwd_s[s] seconds a micro-batch (a pair their sum), each message link_s. *step_s: when the last rank ends, the
+   bubble included (equal stages, f + b a micro-batch and no link: the formula's (1 + bubble) m v (f + b)). */
 DSK_API dsk_status dsk_par_schedule_time(dsk_par_schedule_kind kind, int stages, int micro, int chunks, int paired,
-                                         const double *fwd_s, const double *bwd_s, double link_s, double *step_s);
+                                         dsk_par_transfers transfers, const double *fwd_s, const double *bwd_s,
+                                         double link_s, double *step_s);
 /* The most micro-batch chunks rank `rank` holds activations of (formulas at the top). */
 DSK_API int dsk_par_in_flight_bound(dsk_par_schedule_kind kind, int stages, int micro, int chunks, int rank);
 DSK_API const char *dsk_par_schedule_name(dsk_par_schedule_kind kind); /* "gpipe", "1f1b", "interleaved" */
@@ -297,14 +314,20 @@ typedef struct dsk_par_stage_fns {
     dsk_status (*forward)(void *user, int micro, int chunk);
     dsk_status (*backward)(void *user, int micro, int chunk);
     /* The contiguous buffer action a (a send or receive) reads or fills: CPU memory on the host
-       backend, device memory on nccl. Both ends must give the same count and dtype. */
+       backend, device memory on nccl. Both ends must give the same count and dtype. A receive's
+       buffer is filled by the time the computation of its micro-batch and chunk starts, so no action
+       before that may use it; each (micro-batch, chunk) needs its own. */
     dsk_status (*buffer)(void *user, const dsk_par_action *a, dsk_tensor *t);
     /* A paired schedule's FORWARD_BACKWARD; NULL: forward, then backward. */
     dsk_status (*forward_backward)(void *user, int micro, int chunk, int bwd_micro, int bwd_chunk);
 } dsk_par_stage_fns;
 
 /* Runs s's actions in order on pp (the pipeline group: pp->rank == s->rank, pp->world_size ==
-   s->stages). Sends and receives are blocking. An error stops the run and names the action,
+   s->stages). A send returns once its message is out (dsk_comm_send); a receive is begun where the
+   list has it (dsk_comm_recv_start), taken whole at once if its sender is at it (DSK_COMM_REQ_MOVING:
+   a message larger than the transport's buffers, its sender waiting), else finished just before the
+   computation that reads it, moving on meanwhile; none is pending when the run returns DSK_OK. An
+   error stops the run and names the action,
    the micro-batch, the chunk and the peer, after the cause (a dead peer is named by the
    communicator's message); the communicator is then unusable as after any dsk_comm error. */
 DSK_API dsk_status dsk_par_pipeline_run(const dsk_par_schedule *s, dsk_comm *pp, dsk_ctx *ctx,
@@ -1324,15 +1347,48 @@ static int dsk__par_time_rank(const dsk_par_action *lists, const int *n, size_t 
     return ran;
 }
 
+/* The same under DSK_PAR_TRANSFERS_AHEAD: a send sets its message's landing time (arrive[is_grad][stage][micro],
+   the consumer's stage; negative: not sent yet), a receive costs nothing, a computation starts once its
+   inputs have landed. */
+static int dsk__par_time_rank_ahead(const dsk_par_action *lists, const int *n, size_t room, int r, int *pos,
+                                    double *clock, const double *fwd_s, const double *bwd_s, double link_s,
+                                    double *arrive, int p, int S, int m) {
+    int ran = 0;
+    while (pos[r] < n[r]) {
+        const dsk_par_action *a = &lists[(size_t)r * room + (size_t)pos[r]];
+        double *act = arrive, *grad = arrive + (size_t)S * m, in = 0.0;
+        if (a->kind == DSK_PAR_SEND_ACT) act[(size_t)(a->stage + 1) * m + a->micro] = clock[r] + link_s;
+        else if (a->kind == DSK_PAR_SEND_GRAD) grad[(size_t)(a->stage - 1) * m + a->micro] = clock[r] + link_s;
+        else if (a->kind != DSK_PAR_RECV_ACT && a->kind != DSK_PAR_RECV_GRAD) {
+            int fs = a->kind == DSK_PAR_BACKWARD ? -1 : a->stage, bs = a->kind == DSK_PAR_FORWARD ? -1 : a->stage;
+            int bm = a->micro;
+            if (a->kind == DSK_PAR_FORWARD_BACKWARD) bs = a->bwd_stage, bm = a->bwd_micro;
+            /* inputs from another rank (p > 1): a forward's activation (not stage 0), a backward's gradient (not
+               the last stage's) */
+            int fin = p > 1 && fs > 0, bin = p > 1 && bs >= 0 && bs < S - 1;
+            if ((fin && act[(size_t)fs * m + a->micro] < 0) || (bin && grad[(size_t)bs * m + bm] < 0)) break;
+            if (fin) in = act[(size_t)fs * m + a->micro];
+            if (bin && grad[(size_t)bs * m + bm] > in) in = grad[(size_t)bs * m + bm];
+            clock[r] = (clock[r] > in ? clock[r] : in) + (fs >= 0 ? fwd_s[fs] : 0.0) + (bs >= 0 ? bwd_s[bs] : 0.0);
+        }
+        pos[r]++;
+        ran++;
+    }
+    return ran;
+}
+
 DSK_API dsk_status dsk_par_schedule_time(dsk_par_schedule_kind kind, int stages, int micro, int chunks, int paired,
-                                         const double *fwd_s, const double *bwd_s, double link_s, double *step_s) {
+                                         dsk_par_transfers transfers, const double *fwd_s, const double *bwd_s,
+                                         double link_s, double *step_s) {
     const char *fn = "dsk_par_schedule_time";
     int S, left = 0, *n, *pos;
     size_t room;
     dsk_par_action *lists;
-    double *clock;
+    double *clock, *arrive;
     dsk_status st = DSK_OK;
     if (!fwd_s || !bwd_s || !step_s) return dsk_set_error(DSK_ERR_ARG, "%s: fwd_s, bwd_s or step_s is NULL", fn);
+    if (transfers != DSK_PAR_TRANSFERS_IN_ORDER && transfers != DSK_PAR_TRANSFERS_AHEAD)
+        return dsk_set_error(DSK_ERR_ARG, "%s: unknown transfers %d (in order 0, ahead 1)", fn, (int)transfers);
     DSK__TRY(dsk__par_sched_check(fn, kind, stages, micro, chunks, 0));
     if (!(link_s >= 0) || isinf(link_s))
         return dsk_set_error(DSK_ERR_ARG, "%s: link_s %g must be finite and >= 0", fn, link_s);
@@ -1346,9 +1402,11 @@ DSK_API dsk_status dsk_par_schedule_time(dsk_par_schedule_kind kind, int stages,
     n = (int *)DSK_MALLOC((size_t)stages * sizeof *n);
     pos = (int *)DSK_MALLOC((size_t)stages * sizeof *pos);
     clock = (double *)DSK_MALLOC((size_t)stages * sizeof *clock);
-    if (!lists || !n || !pos || !clock)
+    arrive = (double *)DSK_MALLOC((size_t)2 * S * micro * sizeof *arrive);
+    if (!lists || !n || !pos || !clock || !arrive)
         st = dsk_set_error(DSK_ERR_OOM, "%s: out of memory for %d stages x %zu actions", fn, stages, room);
     if (st == DSK_OK) st = dsk__par_all_lists(fn, kind, stages, micro, chunks, paired, lists, room, n);
+    for (int i = 0; st == DSK_OK && i < 2 * S * micro; i++) arrive[i] = -1.0;
     for (int r = 0; st == DSK_OK && r < stages; r++) {
         left += n[r];
         pos[r] = 0;
@@ -1357,7 +1415,11 @@ DSK_API dsk_status dsk_par_schedule_time(dsk_par_schedule_kind kind, int stages,
     /* the lists run with rendezvous sends (the placing run's promise), so every sweep moves until all end */
     while (st == DSK_OK && left > 0) {
         int ran = 0;
-        for (int r = 0; r < stages; r++) ran += dsk__par_time_rank(lists, n, room, r, pos, clock, fwd_s, bwd_s, link_s);
+        for (int r = 0; r < stages; r++)
+            ran += transfers == DSK_PAR_TRANSFERS_AHEAD
+                       ? dsk__par_time_rank_ahead(lists, n, room, r, pos, clock, fwd_s, bwd_s, link_s, arrive, stages,
+                                                  S, micro)
+                       : dsk__par_time_rank(lists, n, room, r, pos, clock, fwd_s, bwd_s, link_s);
         if (!ran)
             st = dsk_set_error(DSK_ERR_STATE,
                                "%s: the lists of %d stages, %d micro-batches, %d chunks wait on each other", fn, stages,
@@ -1372,60 +1434,121 @@ DSK_API dsk_status dsk_par_schedule_time(dsk_par_schedule_kind kind, int stages,
     DSK_FREE(n);
     DSK_FREE(pos);
     DSK_FREE(clock);
+    DSK_FREE(arrive);
     return st;
 }
 
 /* ---------------------------------------------------------------- the executor */
 
+/* The error of action i (its cause in dsk_last_error), naming the action, its micro-batch, chunk and peer. */
+static dsk_status dsk__par_action_error(const dsk_par_schedule *s, int i, dsk_status st) {
+    const dsk_par_action *a = &s->actions[i];
+    char why[1024], peer[80] = "";
+    snprintf(why, sizeof why, "%s", dsk_last_error());
+    if (a->peer >= 0)
+        snprintf(peer, sizeof peer, " %s pipeline rank %d",
+                 a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD ? "to" : "from", a->peer);
+    if (a->kind == DSK_PAR_FORWARD_BACKWARD)
+        snprintf(peer, sizeof peer, "; backward of micro-batch %d, chunk %d, stage %d", a->bwd_micro, a->bwd_chunk,
+                 a->bwd_stage);
+    return dsk_set_error(st,
+                         "dsk_par_pipeline_run: pipeline rank %d, action %d of %d (%s of micro-batch %d, chunk %d, "
+                         "stage %d%s): %s",
+                         s->rank, i, s->n, dsk_par_action_name(a->kind), a->micro, a->chunk, a->stage, peer, why);
+}
+
+/* The receives begun ahead of their use, by (is gradient, micro-batch, chunk): the request and the action. */
+typedef struct dsk__par_pending {
+    int64_t *req;
+    int *at;
+} dsk__par_pending;
+
+static int dsk__par_slot(const dsk_par_schedule *s, int is_grad, int micro, int chunk) {
+    return (is_grad * s->micro + micro) * s->chunks + chunk;
+}
+
+/* Finishes the receive of the input (is_grad 0: activation, 1: gradient) of (micro, chunk), if one was begun;
+   on failure *blame is that receive's action. */
+static dsk_status dsk__par_await(const dsk_par_schedule *s, dsk_comm *pp, dsk_ctx *ctx, dsk__par_pending *w,
+                                 int is_grad, int micro, int chunk, int *blame) {
+    int k;
+    if (!w->req) return DSK_OK;
+    k = dsk__par_slot(s, is_grad, micro, chunk);
+    if (w->req[k] < 0) return DSK_OK;
+    *blame = w->at[k];
+    DSK__TRY(dsk_comm_wait(pp, ctx, w->req[k]));
+    w->req[k] = -1;
+    return DSK_OK;
+}
+
+/* Runs action i; a computation first finishes the receives of its inputs. On failure *blame is the action the
+   error belongs to. */
+static dsk_status dsk__par_run_action(const dsk_par_schedule *s, int i, dsk_comm *pp, dsk_ctx *ctx,
+                                      const dsk_par_stage_fns *fns, dsk__par_pending *w, int *blame) {
+    const dsk_par_action *a = &s->actions[i];
+    dsk_tensor t;
+    int64_t req;
+    int state;
+    memset(&t, 0, sizeof t);
+    switch (a->kind) {
+    case DSK_PAR_FORWARD:
+        DSK__TRY(dsk__par_await(s, pp, ctx, w, 0, a->micro, a->chunk, blame));
+        *blame = i;
+        return fns->forward(fns->user, a->micro, a->chunk);
+    case DSK_PAR_BACKWARD:
+        DSK__TRY(dsk__par_await(s, pp, ctx, w, 1, a->micro, a->chunk, blame));
+        *blame = i;
+        return fns->backward(fns->user, a->micro, a->chunk);
+    case DSK_PAR_FORWARD_BACKWARD:
+        DSK__TRY(dsk__par_await(s, pp, ctx, w, 0, a->micro, a->chunk, blame));
+        DSK__TRY(dsk__par_await(s, pp, ctx, w, 1, a->bwd_micro, a->bwd_chunk, blame));
+        *blame = i;
+        if (fns->forward_backward)
+            return fns->forward_backward(fns->user, a->micro, a->chunk, a->bwd_micro, a->bwd_chunk);
+        DSK__TRY(fns->forward(fns->user, a->micro, a->chunk));
+        return fns->backward(fns->user, a->bwd_micro, a->bwd_chunk);
+    default:
+        DSK__TRY(fns->buffer(fns->user, a, &t));
+        if (!t.data || !dsk_tensor_is_contiguous(&t))
+            return dsk_set_error(DSK_ERR_ARG, "the buffer callback gave an empty or non-contiguous tensor");
+        if (a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD)
+            return dsk_comm_send(pp, ctx, t.data, dsk_tensor_numel(&t), t.dtype, a->peer);
+        DSK__TRY(dsk_comm_recv_start(pp, ctx, t.data, dsk_tensor_numel(&t), t.dtype, a->peer, &req));
+        DSK__TRY(dsk_comm_test(pp, ctx, req, &state));
+        if (state == DSK_COMM_REQ_MOVING) return dsk_comm_wait(pp, ctx, req); /* its sender is at it: take it whole */
+        w->req[dsk__par_slot(s, a->kind == DSK_PAR_RECV_GRAD, a->micro, a->chunk)] = req;
+        w->at[dsk__par_slot(s, a->kind == DSK_PAR_RECV_GRAD, a->micro, a->chunk)] = i;
+        return DSK_OK;
+    }
+}
+
 DSK_API dsk_status dsk_par_pipeline_run(const dsk_par_schedule *s, dsk_comm *pp, dsk_ctx *ctx,
                                         const dsk_par_stage_fns *fns) {
     const char *fn = "dsk_par_pipeline_run";
+    dsk__par_pending w = {NULL, NULL};
+    dsk_status st = DSK_OK;
+    int slots;
     if (!s || !s->actions || !fns || !fns->forward || !fns->backward || !fns->buffer)
         return dsk_set_error(DSK_ERR_ARG, "%s: schedule, its actions or a callback is NULL", fn);
     if (s->stages > 1 && (!pp || pp->world_size != s->stages || pp->rank != s->rank))
         return dsk_set_error(DSK_ERR_ARG, "%s: the schedule is rank %d of %d stages, the communicator rank %d of %d",
                              fn, s->rank, s->stages, pp ? pp->rank : -1, pp ? pp->world_size : 0);
-    for (int i = 0; i < s->n; i++) {
-        const dsk_par_action *a = &s->actions[i];
-        dsk_tensor t;
-        dsk_status st;
-        memset(&t, 0, sizeof t);
-        switch (a->kind) {
-        case DSK_PAR_FORWARD: st = fns->forward(fns->user, a->micro, a->chunk); break;
-        case DSK_PAR_BACKWARD: st = fns->backward(fns->user, a->micro, a->chunk); break;
-        case DSK_PAR_FORWARD_BACKWARD:
-            if (fns->forward_backward) {
-                st = fns->forward_backward(fns->user, a->micro, a->chunk, a->bwd_micro, a->bwd_chunk);
-                break;
-            }
-            st = fns->forward(fns->user, a->micro, a->chunk);
-            if (st == DSK_OK) st = fns->backward(fns->user, a->bwd_micro, a->bwd_chunk);
-            break;
-        default:
-            st = fns->buffer(fns->user, a, &t);
-            if (st == DSK_OK && (!t.data || !dsk_tensor_is_contiguous(&t)))
-                st = dsk_set_error(DSK_ERR_ARG, "the buffer callback gave an empty or non-contiguous tensor");
-            if (st != DSK_OK) break;
-            if (a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD)
-                st = dsk_comm_send(pp, ctx, t.data, dsk_tensor_numel(&t), t.dtype, a->peer);
-            else
-                st = dsk_comm_recv(pp, ctx, t.data, dsk_tensor_numel(&t), t.dtype, a->peer);
-        }
-        if (st != DSK_OK) {
-            char why[1024], peer[80] = "";
-            snprintf(why, sizeof why, "%s", dsk_last_error());
-            if (a->peer >= 0)
-                snprintf(peer, sizeof peer, " %s pipeline rank %d",
-                         a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD ? "to" : "from", a->peer);
-            if (a->kind == DSK_PAR_FORWARD_BACKWARD)
-                snprintf(peer, sizeof peer, "; backward of micro-batch %d, chunk %d, stage %d", a->bwd_micro,
-                         a->bwd_chunk, a->bwd_stage);
-            return dsk_set_error(st, "%s: pipeline rank %d, action %d of %d (%s of micro-batch %d, chunk %d, stage "
-                                 "%d%s): %s", fn, s->rank, i, s->n, dsk_par_action_name(a->kind), a->micro, a->chunk,
-                                 a->stage, peer, why);
-        }
+    slots = 2 * s->micro * s->chunks;
+    if (s->stages > 1) {
+        w.req = (int64_t *)DSK_MALLOC((size_t)slots * sizeof *w.req);
+        w.at = (int *)DSK_MALLOC((size_t)slots * sizeof *w.at);
+        if (!w.req || !w.at) st = dsk_set_error(DSK_ERR_OOM, "%s: %d pending receives", fn, slots);
+        for (int k = 0; st == DSK_OK && k < slots; k++) w.req[k] = w.at[k] = -1;
     }
-    return DSK_OK;
+    for (int i = 0; st == DSK_OK && i < s->n; i++) {
+        int blame = i;
+        dsk_status e = dsk__par_run_action(s, i, pp, ctx, fns, &w, &blame);
+        if (e != DSK_OK) st = dsk__par_action_error(s, blame, e);
+    }
+    if (st == DSK_OK && s->stages > 1) st = dsk_comm_wait(pp, ctx, DSK_COMM_ALL_REQUESTS);
+    DSK_FREE(w.req);
+    DSK_FREE(w.at);
+    return st;
 }
 
 #endif /* DSK_PAR_IMPLEMENTATION_DONE */

@@ -34,7 +34,8 @@
      recomputation reruns) over world x peak x efficiency (a pipeline's: the stage that keeps its pace,
      the most compute and expert exchanges of the model callback's flops and MoE layers per stage,
      dsk_plan_stages, over tp x dp x peak x efficiency), plus the schedule's bubble: the schedule's lists
-     run with each stage's own compute and expert exchanges (dsk_par_schedule_time; a stage's chunks
+     run with each stage's own compute and expert exchanges (dsk_par_schedule_time, the transfers meeting as
+     the cluster's backend has them, dsk_plan_transfers; a stage's chunks
      alike, its forward a third of its FLOPs without recomputation and half its exchanges), less the
      pace stage's busy time, which for equal stages is dsk_par_bubble_fraction x its compute and
      exchanges, and for unequal ones what the lighter stages' order makes them wait; each collective's bytes over
@@ -243,9 +244,14 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
 /* From r->layout's pp stages' FLOPs (the callback's, stages[0..pp)): r->stage_flops, the stage that keeps the
    pipeline's pace, the most compute and expert exchanges (moe_layers -1 where no stage counts its MoE layers while
    the model has some: then the busiest stage, every stage's exchanges the mean's), and r->pipe_s, the schedule's
-   lists timed with each stage's compute and exchanges (dsk_par_schedule_time). pp 1: both zeroed. */
+   lists timed with each stage's compute and exchanges (dsk_par_schedule_time, the transfers as dsk_plan_transfers
+   says). pp 1: both zeroed. */
 DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                    const dsk_plan_flops *stages, dsk_plan_result *r);
+/* How a pipeline's transfers meet on c: CPU ranks (cores_per_node > 0, the host backend) begin their receives
+   ahead and their sends leave at once (DSK_PAR_TRANSFERS_AHEAD); GPUs keep the lists' order on the stream
+   (DSK_PAR_TRANSFERS_IN_ORDER). */
+DSK_API dsk_par_transfers dsk_plan_transfers(const dsk_plan_cluster *c);
 /* What dsk_plan_stages times: a micro-batch's forward and backward of each global stage k pp + s (fwd_s, bwd_s: pp v
    each), stage s's compute and expert exchanges over its chunks alike, the forward a third of its FLOPs without
    recomputation and half its exchanges. */
@@ -590,6 +596,10 @@ DSK_API void dsk_plan_stage_times(const dsk_plan_model *m, const dsk_plan_cluste
     }
 }
 
+DSK_API dsk_par_transfers dsk_plan_transfers(const dsk_plan_cluster *c) {
+    return c && c->cores_per_node > 0 ? DSK_PAR_TRANSFERS_AHEAD : DSK_PAR_TRANSFERS_IN_ORDER;
+}
+
 DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                    const dsk_plan_flops *stages, dsk_plan_result *r) {
     const dsk_plan_layout *l = &r->layout;
@@ -609,7 +619,8 @@ DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_clust
     if (!dsk__plan_moe_counted(stages, p) && m->moe_layers > 0)
         r->stage_flops.moe_layers = -1; /* every stage's exchanges the mean's */
     /* the sends' time is r->pp_s, apart */
-    st = dsk_par_schedule_time(l->schedule, p, l->micro, v, l->paired, fwd, bwd, 0.0, &r->pipe_s);
+    st =
+        dsk_par_schedule_time(l->schedule, p, l->micro, v, l->paired, dsk_plan_transfers(c), fwd, bwd, 0.0, &r->pipe_s);
     DSK_FREE(fwd);
     return st;
 }

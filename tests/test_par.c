@@ -525,9 +525,51 @@ static double timed_lists(const dsk_par_schedule *sc, int p, const double *fwd, 
     return step;
 }
 
-/* dsk_par_schedule_time: equal stages give the bubble formula's step; random unequal stages and links the step of
-   the lists timed above; a two-stage 1F1B by hand (a heavy last stage idles the first less than (p - 1) / m
-   of the heaviest says); bad input. */
+/* The same with the receives ahead (DSK_PAR_TRANSFERS_AHEAD): a send stamps its message's landing at its sender's
+   clock plus link and moves on; a receive costs nothing; a computation starts once the messages it reads (a forward's
+   activation off stage 0, a backward's gradient off the last stage, when p > 1) have landed. */
+static double timed_lists_ahead(const dsk_par_schedule *sc, int p, int m, int v, const double *fwd, const double *bwd,
+                                double link) {
+    int moved = 1, pos[16] = {0}, S = p * v;
+    double clock[16] = {0}, act[64][64], grad[64][64], step = 0;
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i < m; i++) act[s][i] = grad[s][i] = -1;
+    while (moved) {
+        moved = 0;
+        for (int r = 0; r < p; r++) {
+            const dsk_par_action *a = pos[r] < sc[r].n ? &sc[r].actions[pos[r]] : NULL;
+            double start = clock[r];
+            int fwd_in, bwd_in, bs, bm;
+            if (!a) continue;
+            bs = a->kind == DSK_PAR_FORWARD_BACKWARD ? a->bwd_stage : a->stage;
+            bm = a->kind == DSK_PAR_FORWARD_BACKWARD ? a->bwd_micro : a->micro;
+            fwd_in = (a->kind == DSK_PAR_FORWARD || a->kind == DSK_PAR_FORWARD_BACKWARD) && p > 1 && a->stage > 0;
+            bwd_in = (a->kind == DSK_PAR_BACKWARD || a->kind == DSK_PAR_FORWARD_BACKWARD) && p > 1 && bs < S - 1;
+            if (a->kind == DSK_PAR_SEND_ACT) act[a->stage + 1][a->micro] = clock[r] + link;
+            else if (a->kind == DSK_PAR_SEND_GRAD) grad[a->stage - 1][a->micro] = clock[r] + link;
+            else if (a->kind != DSK_PAR_RECV_ACT && a->kind != DSK_PAR_RECV_GRAD) {
+                if ((fwd_in && act[a->stage][a->micro] < 0) || (bwd_in && grad[bs][bm] < 0)) continue;
+                if (fwd_in) start = fmax(start, act[a->stage][a->micro]);
+                if (bwd_in) start = fmax(start, grad[bs][bm]);
+                clock[r] = start + (a->kind != DSK_PAR_BACKWARD ? fwd[a->stage] : 0) +
+                           (a->kind != DSK_PAR_FORWARD ? bwd[bs] : 0);
+            }
+            pos[r]++;
+            moved = 1;
+        }
+    }
+    for (int r = 0; r < p; r++) {
+        if (pos[r] != sc[r].n) return -1;
+        step = fmax(step, clock[r]);
+    }
+    return step;
+}
+
+/* dsk_par_schedule_time, both transfers: equal stages give the bubble formula's step; random unequal stages and
+   links the step of the lists timed above; backward twice the forward: the bubble formula for GPipe and 1F1B
+   both ways, for the interleaved lists only with the receives ahead (in order they stall: 121 units against 99
+   at p 2, m 16, v 2); a two-stage 1F1B by hand (a heavy last stage idles the first less than (p - 1) / m of the
+   heaviest says); bad input. */
 static void test_schedule_time(void) {
     static const struct {
         dsk_par_schedule_kind kind;
@@ -539,37 +581,58 @@ static void test_schedule_time(void) {
         {DSK_PAR_INTERLEAVED, 3, 9, 4},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        for (int paired = 0; paired < 2; paired++) {
-            int p = cases[i].p, m = cases[i].m, v = cases[i].v, S = p * v;
-            double fwd[64], bwd[64], step, want, got;
-            dsk_par_schedule sc[16];
-            if (paired && cases[i].kind == DSK_PAR_GPIPE) continue; /* GPipe has no pairs */
-            for (int s = 0; s < S; s++) fwd[s] = 1.0, bwd[s] = 1.0;
-            DSK_TEST_OK(dsk_par_schedule_time(cases[i].kind, p, m, v, paired, fwd, bwd, 0.0, &step));
-            want = (1 + dsk_par_bubble_fraction(cases[i].kind, p, m, v)) * m * v * 2.0;
-            DSK_TEST_EXPECT(fabs(step - want) < 1e-9, "%s p %d m %d v %d paired %d: equal stages %.9g s, formula %.9g",
-                            dsk_par_schedule_name(cases[i].kind), p, m, v, paired, step, want);
-            if (v == 1) { /* GPipe and 1F1B reach the formula for any forward : backward (not the interleaved lists) */
-                for (int s = 0; s < S; s++) fwd[s] = 0.5, bwd[s] = 1.0;
-                DSK_TEST_OK(dsk_par_schedule_time(cases[i].kind, p, m, v, paired, fwd, bwd, 0.0, &step));
-                want = (1 + dsk_par_bubble_fraction(cases[i].kind, p, m, v)) * m * v * 1.5;
+        for (int paired = 0; paired < 2; paired++)
+            for (int t = 0; t < 2; t++) {
+                dsk_par_transfers tr = t ? DSK_PAR_TRANSFERS_AHEAD : DSK_PAR_TRANSFERS_IN_ORDER;
+                const char *how = t ? "ahead" : "in order";
+                int p = cases[i].p, m = cases[i].m, v = cases[i].v, S = p * v;
+                double fwd[64], bwd[64], step, want, got;
+                dsk_par_schedule sc[16];
+                if (paired && cases[i].kind == DSK_PAR_GPIPE) continue; /* GPipe has no pairs */
+                for (int s = 0; s < S; s++) fwd[s] = 1.0, bwd[s] = 1.0;
+                DSK_TEST_OK(dsk_par_schedule_time(cases[i].kind, p, m, v, paired, tr, fwd, bwd, 0.0, &step));
+                want = (1 + dsk_par_bubble_fraction(cases[i].kind, p, m, v)) * m * v * 2.0;
                 DSK_TEST_EXPECT(fabs(step - want) < 1e-9,
-                                "%s p %d m %d paired %d: backward twice the forward: %.9g s, "
-                                "formula %.9g",
-                                dsk_par_schedule_name(cases[i].kind), p, m, paired, step, want);
+                                "%s p %d m %d v %d paired %d %s: equal stages %.9g s, formula %.9g",
+                                dsk_par_schedule_name(cases[i].kind), p, m, v, paired, how, step, want);
+                if (v == 1 || (t && !paired)) { /* in order, the interleaved lists stall when b > f */
+                    for (int s = 0; s < S; s++) fwd[s] = 0.5, bwd[s] = 1.0;
+                    DSK_TEST_OK(dsk_par_schedule_time(cases[i].kind, p, m, v, paired, tr, fwd, bwd, 0.0, &step));
+                    want = (1 + dsk_par_bubble_fraction(cases[i].kind, p, m, v)) * m * v * 1.5;
+                    DSK_TEST_EXPECT(fabs(step - want) < 1e-9,
+                                    "%s p %d m %d v %d paired %d %s: backward twice the forward: %.9g s, "
+                                    "formula %.9g",
+                                    dsk_par_schedule_name(cases[i].kind), p, m, v, paired, how, step, want);
+                }
+                if (!build_lists(sc, cases[i].kind, p, m, v, paired, "timed")) continue;
+                for (int round = 0; round < 3; round++) {
+                    double link = round == 0 ? 0.0 : dsk_test_rand(0.0, 0.5);
+                    for (int s = 0; s < S; s++) fwd[s] = dsk_test_rand(0.1, 2.0), bwd[s] = dsk_test_rand(0.2, 4.0);
+                    DSK_TEST_OK(dsk_par_schedule_time(cases[i].kind, p, m, v, paired, tr, fwd, bwd, link, &got));
+                    want = t ? timed_lists_ahead(sc, p, m, v, fwd, bwd, link) : timed_lists(sc, p, fwd, bwd, link);
+                    DSK_TEST_EXPECT(want > 0 && fabs(got - want) <= 1e-12 * want,
+                                    "%s p %d m %d v %d paired %d %s link %g: %.12g s, the lists' %.12g s",
+                                    dsk_par_schedule_name(cases[i].kind), p, m, v, paired, how, link, got, want);
+                }
+                for (int r = 0; r < p; r++) dsk_par_schedule_free(&sc[r]);
             }
-            if (!build_lists(sc, cases[i].kind, p, m, v, paired, "timed")) continue;
-            for (int round = 0; round < 3; round++) {
-                double link = round == 0 ? 0.0 : dsk_test_rand(0.0, 0.5);
-                for (int s = 0; s < S; s++) fwd[s] = dsk_test_rand(0.1, 2.0), bwd[s] = dsk_test_rand(0.2, 4.0);
-                DSK_TEST_OK(dsk_par_schedule_time(cases[i].kind, p, m, v, paired, fwd, bwd, link, &got));
-                want = timed_lists(sc, p, fwd, bwd, link);
-                DSK_TEST_EXPECT(want > 0 && fabs(got - want) <= 1e-12 * want,
-                                "%s p %d m %d v %d paired %d link %g: %.12g s, the lists' %.12g s",
-                                dsk_par_schedule_name(cases[i].kind), p, m, v, paired, link, got, want);
-            }
-            for (int r = 0; r < p; r++) dsk_par_schedule_free(&sc[r]);
+    {
+        /* the stall the receives ahead remove: f 1, b 2 on equal stages, in order against the formula */
+        static const int pmv[3][3] = {{2, 16, 2}, {4, 8, 2}, {2, 4, 2}};
+        for (int i = 0; i < 3; i++) {
+            int p = pmv[i][0], m = pmv[i][1], v = pmv[i][2];
+            double f[8], b[8], in_order, ahead,
+                formula = (1 + dsk_par_bubble_fraction(DSK_PAR_INTERLEAVED, p, m, v)) * m * v * 3;
+            for (int s = 0; s < p * v; s++) f[s] = 1, b[s] = 2;
+            DSK_TEST_OK(dsk_par_schedule_time(DSK_PAR_INTERLEAVED, p, m, v, 0, DSK_PAR_TRANSFERS_IN_ORDER, f, b, 0.0,
+                                              &in_order));
+            DSK_TEST_OK(
+                dsk_par_schedule_time(DSK_PAR_INTERLEAVED, p, m, v, 0, DSK_PAR_TRANSFERS_AHEAD, f, b, 0.0, &ahead));
+            DSK_TEST_EXPECT(ahead == formula && in_order > formula,
+                            "interleaved p %d m %d v %d, f 1 b 2: in order %g, ahead %g, formula %g", p, m, v, in_order,
+                            ahead, formula);
         }
+    }
     {
         /* p 2, m 2, 1F1B; stage 0: f 1, b 2; stage 1: f 3, b 6. Lists: rank 0 F0 >a0 F1 >a1 <g0 B0 <g1 B1, rank 1
            <a0 F0 <a1 B0 >g0 F1 B1 >g1. Rank 0: F0 [0,1], a0 at 1, F1 [1,2], a1 waits for rank 1's F0 until 4,
@@ -577,26 +640,36 @@ static void test_schedule_time(void) {
            at 1.5, rank 1 F0 [1.5,4.5], a1 at 5, B0 [5,11], g0 at 11.5, F1 [11.5,14.5], B1 [14.5,20.5], g1 at 21,
            rank 0 B1 [21,23]. */
         double f[2] = {1, 3}, b[2] = {2, 6}, step;
-        DSK_TEST_OK(dsk_par_schedule_time(DSK_PAR_1F1B, 2, 2, 1, 0, f, b, 0.0, &step));
+        DSK_TEST_OK(dsk_par_schedule_time(DSK_PAR_1F1B, 2, 2, 1, 0, DSK_PAR_TRANSFERS_IN_ORDER, f, b, 0.0, &step));
         DSK_TEST_EXPECT(step == 21.0, "by hand: %g, want 21 (the heaviest stage's 18 plus (p - 1) / m of it: 27)",
                         step);
-        DSK_TEST_OK(dsk_par_schedule_time(DSK_PAR_1F1B, 2, 2, 1, 0, f, b, 0.5, &step));
+        DSK_TEST_OK(dsk_par_schedule_time(DSK_PAR_1F1B, 2, 2, 1, 0, DSK_PAR_TRANSFERS_IN_ORDER, f, b, 0.5, &step));
         DSK_TEST_EXPECT(step == 23.0, "by hand with a link of 0.5: %g, want 23", step);
     }
     {
         double f[4] = {1, 1, 1, 1}, b[4] = {1, -1, 1, 1}, step = -7;
-        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, f, b, 0.0, &step), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, DSK_PAR_TRANSFERS_IN_ORDER, f, b, 0.0, &step),
+                        DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("stage 1 of 4: forward 1 s, backward -1 s");
         b[1] = NAN;
-        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, f, b, 0.0, &step), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, DSK_PAR_TRANSFERS_IN_ORDER, f, b, 0.0, &step),
+                        DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("backward nan s");
         b[1] = 1;
-        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, f, b, -0.1, &step), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, DSK_PAR_TRANSFERS_IN_ORDER, f, b, -0.1, &step),
+                        DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("link_s -0.1");
-        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_INTERLEAVED, 2, 3, 2, 0, f, b, 0.0, &step), DSK_ERR_ARG);
+        DSK_TEST_STATUS(
+            dsk_par_schedule_time(DSK_PAR_INTERLEAVED, 2, 3, 2, 0, DSK_PAR_TRANSFERS_IN_ORDER, f, b, 0.0, &step),
+            DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("not a multiple of the 2 stages");
-        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, NULL, b, 0.0, &step), DSK_ERR_ARG);
+        DSK_TEST_STATUS(
+            dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, DSK_PAR_TRANSFERS_IN_ORDER, NULL, b, 0.0, &step),
+            DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("is NULL");
+        DSK_TEST_STATUS(dsk_par_schedule_time(DSK_PAR_1F1B, 4, 8, 1, 0, (dsk_par_transfers)2, f, b, 0.0, &step),
+                        DSK_ERR_ARG);
+        DSK_TEST_ERROR_MENTIONS("unknown transfers 2");
         DSK_TEST_EXPECT(step == -7, "a refused call wrote %g", step);
     }
 }
@@ -1149,6 +1222,9 @@ typedef struct pipe_ok {
     int p, m, v;
     float *slot; /* [4][m][v][64]: received activations, sent ones, received gradients, sent ones */
     int pairs;   /* forward_backward calls */
+    int slow;    /* this rank sleeps 20 ms in each computation */
+    unsigned char *begun; /* [2][m][v]: a receive of (activation or gradient, micro, chunk) was begun */
+    int ahead;            /* computations that ran while a receive begun before them was still in flight */
 } pipe_ok;
 
 static uint64_t msg_tag(int grad, int micro, int from_stage) {
@@ -1166,8 +1242,30 @@ static dsk_status ok_buffer(void *user, const dsk_par_action *a, dsk_tensor *t) 
     int is_send = a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD;
     float *b = ok_slot(ps, 2 * grad + is_send, a->micro, a->chunk);
     if (is_send) gen(b, n, msg_tag(grad, a->micro, a->stage));
-    else dsk_test_poison_f32(b, n);
+    else {
+        dsk_test_poison_f32(b, n);
+        ps->begun[((size_t)grad * ps->m + (size_t)a->micro) * ps->v + (size_t)a->chunk] = 1;
+    }
     return dsk_tensor_wrap(t, b, DSK_F32, dsk_cpu(), 1, &n);
+}
+
+/* At the start of a computation: whether a receive begun earlier still waits for its message (its buffer all
+   NaN; a message is never NaN); the slow rank sleeps. */
+static void ok_computing(pipe_ok *ps) {
+    int stalled = 0;
+    for (int g = 0; g < 2; g++)
+        for (int mi = 0; mi < ps->m; mi++)
+            for (int c = 0; c < ps->v; c++) {
+                const float *b = ok_slot(ps, 2 * g, mi, c);
+                int in_flight = ps->begun[((size_t)g * ps->m + (size_t)mi) * ps->v + (size_t)c];
+                for (int i = 0; i < 64 && in_flight; i++) in_flight = b[i] != b[i];
+                stalled |= in_flight;
+            }
+    ps->ahead += stalled;
+    if (ps->slow) {
+        struct timespec ts = {0, 20000000};
+        nanosleep(&ts, NULL);
+    }
 }
 
 /* The input of (micro, chunk) must hold what its sender put there. */
@@ -1182,11 +1280,18 @@ static dsk_status ok_check(pipe_ok *ps, int grad, int micro, int chunk) {
     return DSK_OK;
 }
 
-static dsk_status ok_forward(void *user, int micro, int chunk) { return ok_check((pipe_ok *)user, 0, micro, chunk); }
-static dsk_status ok_backward(void *user, int micro, int chunk) { return ok_check((pipe_ok *)user, 1, micro, chunk); }
+static dsk_status ok_forward(void *user, int micro, int chunk) {
+    ok_computing((pipe_ok *)user);
+    return ok_check((pipe_ok *)user, 0, micro, chunk);
+}
+static dsk_status ok_backward(void *user, int micro, int chunk) {
+    ok_computing((pipe_ok *)user);
+    return ok_check((pipe_ok *)user, 1, micro, chunk);
+}
 static dsk_status ok_pair(void *user, int micro, int chunk, int bwd_micro, int bwd_chunk) {
     pipe_ok *ps = (pipe_ok *)user;
     ps->pairs++;
+    ok_computing(ps);
     DSK__TRY(ok_check(ps, 0, micro, chunk));
     return ok_check(ps, 1, bwd_micro, bwd_chunk);
 }
@@ -1195,14 +1300,17 @@ static void rank_pipe_ok(dsk_comm *c, void *arg) {
     pipe_ok ps;
     dsk_par_schedule s;
     dsk_par_stage_fns fns;
-    const int *how = (const int *)arg; /* chunks; 0 unpaired, 1 paired, 2 paired with forward_backward */
+    /* chunks; 0 unpaired, 1 paired, 2 paired with forward_backward; 1 + the rank that computes slowly, or 0 */
+    const int *how = (const int *)arg;
     int v = how[0], want = 0;
     memset(&ps, 0, sizeof ps);
     ps.c = c;
     ps.p = c->world_size;
     ps.m = 2 * c->world_size;
     ps.v = v;
+    ps.slow = how[2] == c->rank + 1;
     ps.slot = falloc((int64_t)4 * ps.m * v * 64);
+    ps.begun = (unsigned char *)calloc((size_t)2 * ps.m * v, 1);
     memset(&fns, 0, sizeof fns);
     fns.user = &ps;
     fns.forward = ok_forward;
@@ -1217,7 +1325,11 @@ static void rank_pipe_ok(dsk_comm *c, void *arg) {
     for (int i = 0; i < s.n && how[1] == 2; i++) want += s.actions[i].kind == DSK_PAR_FORWARD_BACKWARD;
     DSK_TEST_EXPECT(ps.pairs == want, "rank %d: %d forward_backward calls, the list has %d", c->rank, ps.pairs, want);
     DSK_TEST_EXPECT(how[1] != 2 || c->rank > 0 || want > 0, "rank 0 has no pair to run");
+    /* with the other rank slow, a fast one reaches receives long before their messages and computes past them */
+    DSK_TEST_EXPECT(!how[2] || ps.slow || ps.ahead > 0,
+                    "rank %d computed only with every begun receive finished (it waited at its receives)", c->rank);
     dsk_par_schedule_free(&s);
+    free(ps.begun);
     free(ps.slot);
 }
 
@@ -1240,11 +1352,14 @@ static void rank_pipe_no_buffer(dsk_comm *c, void *arg) {
 }
 
 static void test_pipeline_runs(void) {
-    int v1[2] = {1, 0}, v2[2] = {2, 0}, p1[2] = {1, 2}, p2[2] = {2, 2}, p0[2] = {2, 1};
-    dsk_test_begin("pipeline executor: 1F1B on 4 ranks, blocking sends, to the end");
+    int v1[3] = {1, 0, 0}, v2[3] = {2, 0, 0}, p1[3] = {1, 2, 0}, p2[3] = {2, 2, 0}, p0[3] = {2, 1, 0};
+    int ahead[3] = {2, 0, 1};
+    dsk_test_begin("pipeline executor: 1F1B on 4 ranks, to the end");
     expect_ranks_ok(4, rank_pipe_ok, v1);
     dsk_test_begin("pipeline executor: interleaved (2 chunks) on 3 ranks, to the end");
     expect_ranks_ok(3, rank_pipe_ok, v2);
+    dsk_test_begin("pipeline executor: interleaved on 2 ranks, rank 0 slow: rank 1 computes past its receives");
+    expect_ranks_ok(2, rank_pipe_ok, ahead);
     dsk_test_begin("pipeline executor: paired 1F1B on 4 ranks, each pair's two inputs there");
     expect_ranks_ok(4, rank_pipe_ok, p1);
     dsk_test_begin("pipeline executor: paired interleaved on 3 ranks, pairs by forward_backward and without it");
