@@ -333,6 +333,12 @@ DSK_API dsk_status dsk_comm_wait(dsk_comm *c, dsk_ctx *ctx, int64_t req);
    returns at once). nccl: DSK_COMM_REQ_DONE (ordered on the stream). */
 enum { DSK_COMM_REQ_IDLE = 0, DSK_COMM_REQ_MOVING = 1, DSK_COMM_REQ_DONE = 2 };
 DSK_API dsk_status dsk_comm_test(dsk_comm *c, dsk_ctx *ctx, int64_t req, int *state);
+/* The largest message a send leaves in the transport's buffers without its receiver, so that it returns before the
+   receiver takes it: to `peer` of c on the host backend over shared memory, the room of one ring (256 KiB less a
+   64-byte header; smaller rings where more than 16 ranks share a node); TCP (the socket's buffer is the kernel's)
+   and nccl: 0. dsk_comm_host_ring_room: the same for a node of `local_ranks` ranks before any exists. */
+DSK_API int64_t dsk_comm_buffered_bytes(const dsk_comm *c, int peer);
+DSK_API int64_t dsk_comm_host_ring_room(int local_ranks);
 /* Returns when every rank has entered the barrier. nccl: also waits for ctx's stream. */
 DSK_API dsk_status dsk_comm_barrier(dsk_comm *c, dsk_ctx *ctx);
 /* nccl: waits for ctx's stream, polling for NCCL errors, aborting at the timeout. host: no-op. */
@@ -4262,6 +4268,17 @@ DSK_API dsk_status dsk_comm_test(dsk_comm *c, dsk_ctx *ctx, int64_t req, int *st
         *state = DSK_COMM_REQ_MOVING; /* not yet across the emulated link: a wait would sleep */
     c->stats.seconds += dsk__comm_now() - t0;
     return DSK_OK;
+}
+
+DSK_API int64_t dsk_comm_host_ring_room(int local_ranks) {
+    return local_ranks < 2 ? 0 : (int64_t)(dsk__comm_ring_bytes(local_ranks) - DSK__COMM_FRAME);
+}
+
+DSK_API int64_t dsk_comm_buffered_bytes(const dsk_comm *c, int peer) {
+    if (!c || !c->impl || c->backend != DSK_COMM_HOST || peer < 0 || peer >= c->world_size || peer == c->rank ||
+        !dsk__comm_is_shm(c->impl, peer))
+        return 0;
+    return (int64_t)(c->impl->ring - DSK__COMM_FRAME);
 }
 
 /* The blocking calls: begun, then waited for (moving any pending requests meanwhile). */

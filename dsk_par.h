@@ -101,13 +101,14 @@
        which keeps the bubble formula above (the unit-step run, a pair two steps) at the price
        of activations: min(warm-up + 1, m v) chunks in flight, 2 p instead of p on rank 0 under
        1F1B. The forwards and the backwards keep their unpaired order. GPipe has no pairs.
-     Executed (dsk_par_pipeline_run): a receive is begun at its place in the list and finished just before
-       the computation that uses its data, so a stage never waits at a receive it does not need yet; sends
-       return once their message is out (host: in the transport's buffers; nccl: the stream keeps the
-       list's order). The lists place each transfer where the unit-step run met it, which, run in order with
-       rendezvous sends, stalls the interleaved schedule when a backward takes longer than a forward (a
-       stage reaches a receive whose sender is still in a backward): f = 1, b = 2 at p 2, m 16, v 2 take
-       121 units against the formula's 99; with the receives ahead they take the formula's 99.
+     Executed (dsk_par_pipeline_run): a receive of a message its sender leaves in the transport's buffers
+       (the host's shared-memory rings) is begun at its place in the list and finished just before the
+       computation that uses its data, so a stage never waits at a receive it does not need yet; a larger
+       message, whose sender waits for its receiver, is received where the list has it, and nccl keeps the
+       list's order on the stream. The lists place each transfer where the unit-step run met it, which,
+       run in order with rendezvous sends, stalls the interleaved schedule when a backward takes longer
+       than a forward (a stage reaches a receive whose sender is still in a backward): f = 1, b = 2 at
+       p 2, m 16, v 2 take 121 units against the formula's 99; with the receives ahead they take 99.
      Timed (dsk_par_schedule_time): every rank's list run as the executor runs it on a transport
        (DSK_PAR_TRANSFERS_IN_ORDER: sends and receives in the list's order, a send meeting its receive, as
        on nccl; DSK_PAR_TRANSFERS_AHEAD: sends leave at once, receives finish where their data is used, as
@@ -323,11 +324,12 @@ typedef struct dsk_par_stage_fns {
 } dsk_par_stage_fns;
 
 /* Runs s's actions in order on pp (the pipeline group: pp->rank == s->rank, pp->world_size ==
-   s->stages). A send returns once its message is out (dsk_comm_send); a receive is begun where the
-   list has it (dsk_comm_recv_start), taken whole at once if its sender is at it (DSK_COMM_REQ_MOVING:
-   a message larger than the transport's buffers, its sender waiting), else finished just before the
-   computation that reads it, moving on meanwhile; none is pending when the run returns DSK_OK. An
-   error stops the run and names the action,
+   s->stages). A send returns once its message is out (dsk_comm_send); a receive whose message fits the
+   transport's buffers (dsk_comm_buffered_bytes: its sender does not wait for it) is begun where the list
+   has it (dsk_comm_recv_start) and finished just before the computation that reads it, or before an
+   earlier computation once it is moving (dsk_comm_test); a larger one, whose sender waits for it, is
+   taken where the list has it (as the lists' rendezvous order places it, nccl's every one); none is
+   pending when the run returns DSK_OK. An error stops the run and names the action,
    the micro-batch, the chunk and the peer, after the cause (a dead peer is named by the
    communicator's message); the communicator is then unusable as after any dsk_comm error. */
 DSK_API dsk_status dsk_par_pipeline_run(const dsk_par_schedule *s, dsk_comm *pp, dsk_ctx *ctx,
@@ -1481,15 +1483,32 @@ static dsk_status dsk__par_await(const dsk_par_schedule *s, dsk_comm *pp, dsk_ct
     return DSK_OK;
 }
 
-/* Runs action i; a computation first finishes the receives of its inputs. On failure *blame is the action the
-   error belongs to. */
+/* Finishes each begun receive whose message is moving or done (its sender is at it); on failure *blame is that
+   receive's action. */
+static dsk_status dsk__par_take_moving(const dsk_par_schedule *s, dsk_comm *pp, dsk_ctx *ctx, dsk__par_pending *w,
+                                       int *blame) {
+    int state;
+    for (int k = 0; w->req && k < 2 * s->micro * s->chunks; k++) {
+        if (w->req[k] < 0) continue;
+        *blame = w->at[k];
+        DSK__TRY(dsk_comm_test(pp, ctx, w->req[k], &state));
+        if (state == DSK_COMM_REQ_IDLE) continue;
+        DSK__TRY(dsk_comm_wait(pp, ctx, w->req[k]));
+        w->req[k] = -1;
+    }
+    return DSK_OK;
+}
+
+/* Runs action i; a computation first takes the moving receives and finishes the receives of its inputs. On failure
+   *blame is the action the error belongs to. */
 static dsk_status dsk__par_run_action(const dsk_par_schedule *s, int i, dsk_comm *pp, dsk_ctx *ctx,
                                       const dsk_par_stage_fns *fns, dsk__par_pending *w, int *blame) {
     const dsk_par_action *a = &s->actions[i];
     dsk_tensor t;
     int64_t req;
-    int state;
     memset(&t, 0, sizeof t);
+    if (a->kind == DSK_PAR_FORWARD || a->kind == DSK_PAR_BACKWARD || a->kind == DSK_PAR_FORWARD_BACKWARD)
+        DSK__TRY(dsk__par_take_moving(s, pp, ctx, w, blame));
     switch (a->kind) {
     case DSK_PAR_FORWARD:
         DSK__TRY(dsk__par_await(s, pp, ctx, w, 0, a->micro, a->chunk, blame));
@@ -1514,8 +1533,8 @@ static dsk_status dsk__par_run_action(const dsk_par_schedule *s, int i, dsk_comm
         if (a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD)
             return dsk_comm_send(pp, ctx, t.data, dsk_tensor_numel(&t), t.dtype, a->peer);
         DSK__TRY(dsk_comm_recv_start(pp, ctx, t.data, dsk_tensor_numel(&t), t.dtype, a->peer, &req));
-        DSK__TRY(dsk_comm_test(pp, ctx, req, &state));
-        if (state == DSK_COMM_REQ_MOVING) return dsk_comm_wait(pp, ctx, req); /* its sender is at it: take it whole */
+        /* a message its sender cannot leave in the transport's buffers: here, where its sender meets it */
+        if ((int64_t)dsk_tensor_nbytes(&t) > dsk_comm_buffered_bytes(pp, a->peer)) return dsk_comm_wait(pp, ctx, req);
         w->req[dsk__par_slot(s, a->kind == DSK_PAR_RECV_GRAD, a->micro, a->chunk)] = req;
         w->at[dsk__par_slot(s, a->kind == DSK_PAR_RECV_GRAD, a->micro, a->chunk)] = i;
         return DSK_OK;

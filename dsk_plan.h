@@ -35,7 +35,7 @@
      the most compute and expert exchanges of the model callback's flops and MoE layers per stage,
      dsk_plan_stages, over tp x dp x peak x efficiency), plus the schedule's bubble: the schedule's lists
      run with each stage's own compute and expert exchanges (dsk_par_schedule_time, the transfers meeting as
-     the cluster's backend has them, dsk_plan_transfers; a stage's chunks
+     the cluster's backend has them for the messages' size, dsk_plan_transfers; a stage's chunks
      alike, its forward a third of its FLOPs without recomputation and half its exchanges), less the
      pace stage's busy time, which for equal stages is dsk_par_bubble_fraction x its compute and
      exchanges, and for unequal ones what the lighter stages' order makes them wait; each collective's bytes over
@@ -245,13 +245,14 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
    pipeline's pace, the most compute and expert exchanges (moe_layers -1 where no stage counts its MoE layers while
    the model has some: then the busiest stage, every stage's exchanges the mean's), and r->pipe_s, the schedule's
    lists timed with each stage's compute and exchanges (dsk_par_schedule_time, the transfers as dsk_plan_transfers
-   says). pp 1: both zeroed. */
+   says for messages of r->pp_bytes over micro x vstages). pp 1: both zeroed. */
 DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                    const dsk_plan_flops *stages, dsk_plan_result *r);
-/* How a pipeline's transfers meet on c: CPU ranks (cores_per_node > 0, the host backend) begin their receives
-   ahead and their sends leave at once (DSK_PAR_TRANSFERS_AHEAD); GPUs keep the lists' order on the stream
-   (DSK_PAR_TRANSFERS_IN_ORDER). */
-DSK_API dsk_par_transfers dsk_plan_transfers(const dsk_plan_cluster *c);
+/* How a pipeline's transfers of message_bytes each meet on c: CPU ranks (cores_per_node > 0, the host backend) with
+   messages their node's rings hold (dsk_comm_host_ring_room of gpus_per_node ranks) begin their receives ahead and
+   their sends leave at once (DSK_PAR_TRANSFERS_AHEAD); larger messages, and GPUs (the lists' order on the stream),
+   meet in order (DSK_PAR_TRANSFERS_IN_ORDER). */
+DSK_API dsk_par_transfers dsk_plan_transfers(const dsk_plan_cluster *c, double message_bytes);
 /* What dsk_plan_stages times: a micro-batch's forward and backward of each global stage k pp + s (fwd_s, bwd_s: pp v
    each), stage s's compute and expert exchanges over its chunks alike, the forward a third of its FLOPs without
    recomputation and half its exchanges. */
@@ -596,8 +597,10 @@ DSK_API void dsk_plan_stage_times(const dsk_plan_model *m, const dsk_plan_cluste
     }
 }
 
-DSK_API dsk_par_transfers dsk_plan_transfers(const dsk_plan_cluster *c) {
-    return c && c->cores_per_node > 0 ? DSK_PAR_TRANSFERS_AHEAD : DSK_PAR_TRANSFERS_IN_ORDER;
+DSK_API dsk_par_transfers dsk_plan_transfers(const dsk_plan_cluster *c, double message_bytes) {
+    return c && c->cores_per_node > 0 && message_bytes <= (double)dsk_comm_host_ring_room(c->gpus_per_node)
+               ? DSK_PAR_TRANSFERS_AHEAD
+               : DSK_PAR_TRANSFERS_IN_ORDER;
 }
 
 DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
@@ -619,8 +622,9 @@ DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_clust
     if (!dsk__plan_moe_counted(stages, p) && m->moe_layers > 0)
         r->stage_flops.moe_layers = -1; /* every stage's exchanges the mean's */
     /* the sends' time is r->pp_s, apart */
-    st =
-        dsk_par_schedule_time(l->schedule, p, l->micro, v, l->paired, dsk_plan_transfers(c), fwd, bwd, 0.0, &r->pipe_s);
+    /* a message: the stage's sends over its micro-batch chunks (a bound: a middle stage sends both ways) */
+    st = dsk_par_schedule_time(l->schedule, p, l->micro, v, l->paired,
+                               dsk_plan_transfers(c, r->pp_bytes / ((double)l->micro * v)), fwd, bwd, 0.0, &r->pipe_s);
     DSK_FREE(fwd);
     return st;
 }

@@ -1010,6 +1010,14 @@ static void rank_p2p_begun_misuse(dsk_comm *c, void *arg) {
     DSK_TEST_EXPECT(y[0] == 1 && y[3] == (float)prev, "rank %d: received %g ... %g", me, (double)y[0], (double)y[3]);
     DSK_TEST_OK(dsk_comm_barrier(c, NULL)); /* none pending: collectives again */
     DSK_TEST_STATUS(dsk_comm_wait(NULL, NULL, 0), DSK_ERR_ARG);
+    /* what a send leaves in the buffers: a ring's room over shared memory, nothing over TCP, to itself or no rank */
+    if (g_mode != MODE_TWO_HOSTS)
+        DSK_TEST_EXPECT(dsk_comm_buffered_bytes(c, next) == (g_mode == MODE_SHM ? dsk_comm_host_ring_room(n) : 0),
+                        "rank %d: %lld bytes buffered to rank %d", me, (long long)dsk_comm_buffered_bytes(c, next),
+                        next);
+    DSK_TEST_EXPECT(dsk_comm_buffered_bytes(c, me) == 0 && dsk_comm_buffered_bytes(c, n) == 0 &&
+                        dsk_comm_buffered_bytes(NULL, 0) == 0 && dsk_comm_host_ring_room(1) == 0,
+                    "buffered bytes to itself, to no rank, or on no communicator");
 }
 
 /* Sub-groups: parity groups with reversed keys, a rank outside every group, a nested split. */

@@ -78,6 +78,7 @@ static void check_layout(const dsk_plan_cluster *c, const dsk_plan_model *m, dsk
         DSK_TEST_EXPECT(fabs(f[i] - want_f[i]) <= 1e-12 * want_f[i] && fabs(b[i] - want_b[i]) <= 1e-12 * want_b[i],
                         "%s: stage %d forward %.9g backward %.9g s, want %.9g %.9g", what, i, f[i], b[i], want_f[i],
                         want_b[i]);
+    /* r.pp_bytes is 0 here: CPU ranks' messages fit their rings (ahead), GPUs' meet in order */
     DSK_TEST_OK(dsk_par_schedule_time(l.schedule, p, l.micro, v, l.paired,
                                       c->cores_per_node > 0 ? DSK_PAR_TRANSFERS_AHEAD : DSK_PAR_TRANSFERS_IN_ORDER,
                                       want_f, want_b, 0.0, &pipe));
@@ -109,6 +110,13 @@ static void test_pipeline_timing(void) {
                      "moe pp4 interleaved v2 attn ep2");
         check_layout(&c, &moe, layout(3, 6, 1, DSK_PAR_1F1B, DSK_PLAN_RECOMPUTE_FULL, 4), "moe pp3 1f1b full ep4");
     }
+    DSK_TEST_EXPECT(dsk_plan_transfers(&c, 0) == DSK_PAR_TRANSFERS_IN_ORDER, "GPUs' transfers ahead");
+    c.cores_per_node = 2; /* CPU ranks: ahead while a message fits the node's rings */
+    check_layout(&c, &moe, layout(4, 8, 2, DSK_PAR_INTERLEAVED, DSK_PLAN_RECOMPUTE_ATTN, 2), "cpu moe pp4 interleaved");
+    DSK_TEST_EXPECT(dsk_plan_transfers(&c, (double)dsk_comm_host_ring_room(8)) == DSK_PAR_TRANSFERS_AHEAD &&
+                        dsk_plan_transfers(&c, (double)dsk_comm_host_ring_room(8) + 1) == DSK_PAR_TRANSFERS_IN_ORDER &&
+                        dsk_comm_host_ring_room(8) == (256 << 10) - 64,
+                    "CPU transfers: room %lld", (long long)dsk_comm_host_ring_room(8));
 }
 
 /* A layout without a pipeline has no stages' times: dsk_plan_stages zeroes them and the bubble is 0. */
