@@ -492,13 +492,23 @@ static void test_schedule_shapes(void) {
     DSK_TEST_EXPECT(k == DSK_PAR_GPIPE, "parse");
 }
 
+/* When the last of p ranks ended its list (pos[r] actions run, at clock[r]); -1 if one stopped before its end. */
+static double lists_end(const dsk_par_schedule *sc, int p, const int *pos, const double *clock) {
+    double step = 0;
+    for (int r = 0; r < p; r++) {
+        if (pos[r] != sc[r].n) return -1;
+        step = fmax(step, clock[r]);
+    }
+    return step;
+}
+
 /* The step under every rank's action list (the library's lists, read here) as the executor runs them: in order,
    the global stage s's forward and backward taking fwd[s] and bwd[s] seconds (a pair their sum), a send waiting
    for its receiver to reach the receive, both then leaving at the later of the two plus link. Written apart from
    dsk_par_schedule_time, over the public lists; -1 if the lists stop. */
 static double timed_lists(const dsk_par_schedule *sc, int p, const double *fwd, const double *bwd, double link) {
     int moved = 1, pos[16] = {0};
-    double clock[16] = {0}, step = 0;
+    double clock[16] = {0};
     while (moved) {
         moved = 0;
         for (int r = 0; r < p; r++) {
@@ -518,11 +528,7 @@ static double timed_lists(const dsk_par_schedule *sc, int p, const double *fwd, 
             moved = 1;
         }
     }
-    for (int r = 0; r < p; r++) {
-        if (pos[r] != sc[r].n) return -1;
-        step = fmax(step, clock[r]);
-    }
-    return step;
+    return lists_end(sc, p, pos, clock);
 }
 
 /* The same with the receives ahead (DSK_PAR_TRANSFERS_AHEAD): a send stamps its message's landing at its sender's
@@ -531,7 +537,7 @@ static double timed_lists(const dsk_par_schedule *sc, int p, const double *fwd, 
 static double timed_lists_ahead(const dsk_par_schedule *sc, int p, int m, int v, const double *fwd, const double *bwd,
                                 double link) {
     int moved = 1, pos[16] = {0}, S = p * v;
-    double clock[16] = {0}, act[64][64], grad[64][64], step = 0;
+    double clock[16] = {0}, act[64][64], grad[64][64];
     for (int s = 0; s < S; s++)
         for (int i = 0; i < m; i++) act[s][i] = grad[s][i] = -1;
     while (moved) {
@@ -558,11 +564,7 @@ static double timed_lists_ahead(const dsk_par_schedule *sc, int p, int m, int v,
             moved = 1;
         }
     }
-    for (int r = 0; r < p; r++) {
-        if (pos[r] != sc[r].n) return -1;
-        step = fmax(step, clock[r]);
-    }
-    return step;
+    return lists_end(sc, p, pos, clock);
 }
 
 /* dsk_par_schedule_time, both transfers: equal stages give the bubble formula's step; random unequal stages and
