@@ -1469,33 +1469,29 @@ static int dsk__par_slot(const dsk_par_schedule *s, int is_grad, int micro, int 
     return (is_grad * s->micro + micro) * s->chunks + chunk;
 }
 
-/* Finishes the receive of the input (is_grad 0: activation, 1: gradient) of (micro, chunk), if one was begun;
-   on failure *blame is that receive's action. */
-static dsk_status dsk__par_await(const dsk_par_schedule *s, dsk_comm *pp, dsk_ctx *ctx, dsk__par_pending *w,
-                                 int is_grad, int micro, int chunk, int *blame) {
-    int k;
-    if (!w->req) return DSK_OK;
-    k = dsk__par_slot(s, is_grad, micro, chunk);
-    if (w->req[k] < 0) return DSK_OK;
+/* Finishes the receive begun in slot k (idle: only once it is moving or done), if any; on failure *blame is
+   that receive's action. */
+static dsk_status dsk__par_finish(dsk_comm *pp, dsk_ctx *ctx, dsk__par_pending *w, int k, int unless_idle, int *blame) {
+    int state = DSK_COMM_REQ_DONE;
+    if (!w->req || w->req[k] < 0) return DSK_OK;
     *blame = w->at[k];
+    if (unless_idle) DSK__TRY(dsk_comm_test(pp, ctx, w->req[k], &state));
+    if (state == DSK_COMM_REQ_IDLE) return DSK_OK;
     DSK__TRY(dsk_comm_wait(pp, ctx, w->req[k]));
     w->req[k] = -1;
     return DSK_OK;
 }
 
-/* Finishes each begun receive whose message is moving or done (its sender is at it); on failure *blame is that
-   receive's action. */
+/* Finishes the receive of the input (is_grad 0: activation, 1: gradient) of (micro, chunk), if one was begun. */
+static dsk_status dsk__par_await(const dsk_par_schedule *s, dsk_comm *pp, dsk_ctx *ctx, dsk__par_pending *w,
+                                 int is_grad, int micro, int chunk, int *blame) {
+    return dsk__par_finish(pp, ctx, w, dsk__par_slot(s, is_grad, micro, chunk), 0, blame);
+}
+
+/* Finishes each begun receive whose message is moving or done (its sender is at it). */
 static dsk_status dsk__par_take_moving(const dsk_par_schedule *s, dsk_comm *pp, dsk_ctx *ctx, dsk__par_pending *w,
                                        int *blame) {
-    int state;
-    for (int k = 0; w->req && k < 2 * s->micro * s->chunks; k++) {
-        if (w->req[k] < 0) continue;
-        *blame = w->at[k];
-        DSK__TRY(dsk_comm_test(pp, ctx, w->req[k], &state));
-        if (state == DSK_COMM_REQ_IDLE) continue;
-        DSK__TRY(dsk_comm_wait(pp, ctx, w->req[k]));
-        w->req[k] = -1;
-    }
+    for (int k = 0; w->req && k < 2 * s->micro * s->chunks; k++) DSK__TRY(dsk__par_finish(pp, ctx, w, k, 1, blame));
     return DSK_OK;
 }
 
@@ -1506,6 +1502,7 @@ static dsk_status dsk__par_run_action(const dsk_par_schedule *s, int i, dsk_comm
     const dsk_par_action *a = &s->actions[i];
     dsk_tensor t;
     int64_t req;
+    int k;
     memset(&t, 0, sizeof t);
     if (a->kind == DSK_PAR_FORWARD || a->kind == DSK_PAR_BACKWARD || a->kind == DSK_PAR_FORWARD_BACKWARD)
         DSK__TRY(dsk__par_take_moving(s, pp, ctx, w, blame));
@@ -1535,8 +1532,9 @@ static dsk_status dsk__par_run_action(const dsk_par_schedule *s, int i, dsk_comm
         DSK__TRY(dsk_comm_recv_start(pp, ctx, t.data, dsk_tensor_numel(&t), t.dtype, a->peer, &req));
         /* a message its sender cannot leave in the transport's buffers: here, where its sender meets it */
         if ((int64_t)dsk_tensor_nbytes(&t) > dsk_comm_buffered_bytes(pp, a->peer)) return dsk_comm_wait(pp, ctx, req);
-        w->req[dsk__par_slot(s, a->kind == DSK_PAR_RECV_GRAD, a->micro, a->chunk)] = req;
-        w->at[dsk__par_slot(s, a->kind == DSK_PAR_RECV_GRAD, a->micro, a->chunk)] = i;
+        k = dsk__par_slot(s, a->kind == DSK_PAR_RECV_GRAD, a->micro, a->chunk);
+        w->req[k] = req;
+        w->at[k] = i;
         return DSK_OK;
     }
 }
