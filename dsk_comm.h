@@ -148,8 +148,10 @@ typedef struct dsk_comm_opts {
     /* host: an emulated network link, for measuring overlap where the CPUs that copy the bytes are
        all busy computing (a NIC moves them without the CPU): every call on the communicator and
        its splits lasts at least link_latency_us + (bytes this rank sent) / link_gbps, sleeping
-       out the rest after the real transfer, on the thread that made the call. [DSK_LINK_GBPS and
-       DSK_LINK_LATENCY_US; 0: no emulation] (GB/s = 1e9 bytes/s) */
+       out the rest after the real transfer, on the thread that made the call. The link is the
+       rank's: its bytes leave one call after another whichever of the communicator and its splits
+       (and whichever thread) sends them, so calls at once on two of them take the sum of their
+       times. [DSK_LINK_GBPS and DSK_LINK_LATENCY_US; 0: no emulation] (GB/s = 1e9 bytes/s) */
     double link_gbps, link_latency_us;
 } dsk_comm_opts;
 
@@ -955,6 +957,7 @@ static const char *dsk__comm_kind_name(unsigned k) {
 #define DSK__COMM_HOST_MAX 120 /* characters of a host identity */
 
 typedef struct dsk__comm_link dsk__comm_link;
+typedef struct dsk__comm_nic dsk__comm_nic;
 
 struct dsk__comm_impl {
     int world, rank;                     /* size of this communicator, this rank in it */
@@ -1001,6 +1004,8 @@ struct dsk__comm_impl {
     void *ready_arg;
     double link_bps, link_s; /* opts.link_gbps (bytes/s) and link_latency_us (s); 0: no emulated link */
     uint64_t link_mark;      /* stats.bytes_sent when the last call ended */
+    dsk__comm_nic *nic;      /* the emulated link's sending side, one per rank: its communicators of one world
+                                  share it (NULL without a link_gbps) */
     int started, started_n;  /* an exchange begun by dsk_comm_all_to_all_v_start: its ops[0..started_n) */
     int until_landed;        /* dsk_comm_progress's wait: the io run returns once a receive is whole, unreported */
     int until_op;            /* dsk_comm_wait: the io run returns once ops[until_op] is finished; -1: all */
@@ -1732,7 +1737,7 @@ typedef struct dsk__comm_io {
     int gated;          /* a send that waits for dsk__comm_impl.ready to open it */
     int after;          /* the op of the same array that must finish first (the same peer and direction; point
                            to point requests), else -1 */
-    double t0;          /* point to point requests: when it began (the emulated link) */
+    double due;         /* point to point requests: when the emulated link has carried it (t0 without one) */
 } dsk__comm_io;
 
 /* Whether ops[i] waits for an earlier message between the same two ranks. */
@@ -2723,6 +2728,34 @@ static dsk_status dsk__comm_host_barrier(dsk_comm *c, const char *fn, double t0)
 
 typedef struct dsk__comm_hello { uint32_t magic; int32_t rank; uint64_t tag; } dsk__comm_hello;
 
+/* The sending side of a rank's emulated link: its bytes leave one after another, whichever of the rank's
+   communicators (and threads: dsk_zero reduces on its own) sends them, as through one network card. */
+struct dsk__comm_nic {
+    double free_at; /* when the bytes taken so far have left */
+    int refs;       /* the communicators sharing it */
+};
+
+/* Takes busy_s of the rank's link from t0 or when it frees, whichever is later; returns when those bytes have
+   left. Without a link (nic NULL): t0 + busy_s. */
+static double dsk__comm_nic_take(dsk__comm_nic *nic, double t0, double busy_s) {
+    double cur, next;
+    if (!nic) return t0 + busy_s;
+    __atomic_load(&nic->free_at, &cur, __ATOMIC_ACQUIRE);
+    do next = (cur > t0 ? cur : t0) + busy_s;
+    while (!__atomic_compare_exchange(&nic->free_at, &cur, &next, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    return next;
+}
+
+static void dsk__comm_nic_share(dsk__comm_impl *m, dsk__comm_nic *nic) {
+    m->nic = nic;
+    if (nic) __atomic_fetch_add(&nic->refs, 1, __ATOMIC_RELAXED);
+}
+
+static void dsk__comm_nic_drop(dsk__comm_impl *m) {
+    if (m->nic && __atomic_sub_fetch(&m->nic->refs, 1, __ATOMIC_ACQ_REL) == 0) DSK_FREE(m->nic);
+    m->nic = NULL;
+}
+
 /* An emulated link's option into *out: `given` (name: its field), else the environment variable `env`, else 0. */
 static dsk_status dsk__comm_link_opt(const char *fn, double given, const char *name, const char *env, double *out) {
     const char *v = getenv(env);
@@ -2743,6 +2776,12 @@ static dsk_status dsk__comm_link_setup(dsk_comm *c, const char *fn, const dsk_co
     DSK__TRY(dsk__comm_link_opt(fn, o ? o->link_latency_us : 0, "link_latency_us", "DSK_LINK_LATENCY_US", &us));
     c->impl->link_bps = 1e9 * gbps;
     c->impl->link_s = 1e-6 * us;
+    if (gbps > 0) {
+        dsk__comm_nic *nic = (dsk__comm_nic *)DSK_MALLOC(sizeof *nic);
+        if (!nic) return dsk_set_error(DSK_ERR_OOM, "%s: the emulated link's state", fn);
+        memset(nic, 0, sizeof *nic);
+        dsk__comm_nic_share(c->impl, nic);
+    }
     return DSK_OK;
 }
 
@@ -2955,6 +2994,7 @@ static void dsk__comm_impl_free(dsk_comm *c) {
     if (!m) return;
     m->kin_prev->kin_next = m->kin_next;
     m->kin_next->kin_prev = m->kin_prev;
+    dsk__comm_nic_drop(m);
     if (m->node_comm) dsk_comm_free(m->node_comm);
     if (m->cross_comm) dsk_comm_free(m->cross_comm);
     DSK_FREE(m->node_comm);
@@ -3595,12 +3635,14 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
 /* ---------------------------------------------------------------- collectives */
 
 /* The emulated link (opts.link_gbps): a call that began at t0 ends no sooner than its bytes would
-   have crossed the link. */
+   have crossed the link, after those the rank's other calls gave it first. */
 static void dsk__comm_link_wait(dsk_comm *c, double t0) {
     dsk__comm_impl *m = c->impl;
     double until, left;
     if (m->link_bps <= 0 && m->link_s <= 0) return;
-    until = t0 + m->link_s + (m->link_bps > 0 ? (double)(c->stats.bytes_sent - m->link_mark) / m->link_bps : 0);
+    until = m->link_s +
+            dsk__comm_nic_take(m->nic, t0,
+                               m->link_bps > 0 ? (double)(c->stats.bytes_sent - m->link_mark) / m->link_bps : 0);
     m->link_mark = c->stats.bytes_sent;
     if ((left = until - dsk__comm_now()) > 0) dsk__comm_sleep_s(left);
 }
@@ -4127,7 +4169,9 @@ static dsk_status dsk__comm_host_p2p_start(dsk_comm *c, const char *fn, void *bu
     h.seq = is_send ? m->p2p_sent[peer]++ : m->p2p_recvd[peer]++;
     op = &m->p2p[m->p2p_n];
     dsk__comm_io_post(op, peer, is_send, &h, buf, (size_t)count * dsk_dtype_size(dt));
-    op->t0 = t0;
+    /* the emulated link: a send ends once its bytes have left after the rank's earlier ones, and the latency */
+    op->due = is_send && m->link_bps > 0 ? m->link_s + dsk__comm_nic_take(m->nic, t0, (double)op->len / m->link_bps)
+                                         : t0 + m->link_s;
     for (int i = m->p2p_n - 1; i >= 0 && op->after < 0; i--)
         if (m->p2p[i].peer == peer && m->p2p[i].is_send == is_send) op->after = i;
     m->p2p_n++;
@@ -4135,14 +4179,8 @@ static dsk_status dsk__comm_host_p2p_start(dsk_comm *c, const char *fn, void *bu
     return DSK_OK;
 }
 
-/* The emulated link: a request ends no sooner than its start, the latency and (a send) its bytes at the rate
-   (its start without a link). */
-static double dsk__comm_p2p_due(const dsk__comm_impl *m, const dsk__comm_io *op) {
-    return op->t0 + m->link_s + (op->is_send && m->link_bps > 0 ? (double)op->len / m->link_bps : 0);
-}
-
-static void dsk__comm_p2p_link_wait(const dsk_comm *c, const dsk__comm_io *op) {
-    double left = dsk__comm_p2p_due(c->impl, op) - dsk__comm_now();
+static void dsk__comm_p2p_link_wait(const dsk__comm_io *op) {
+    double left = op->due - dsk__comm_now();
     if (left > 0) dsk__comm_sleep_s(left);
 }
 
@@ -4157,7 +4195,7 @@ static dsk_status dsk__comm_host_p2p_wait(dsk_comm *c, const char *fn, int64_t r
     m->until_op = -1;
     if (st != DSK_OK) return st;
     for (int i = 0; i < m->p2p_n; i++)
-        if (k < 0 || i == k) dsk__comm_p2p_link_wait(c, &m->p2p[i]);
+        if (k < 0 || i == k) dsk__comm_p2p_link_wait(&m->p2p[i]);
     for (int i = 0; i < m->p2p_n; i++) all &= dsk__comm_io_finished(&m->p2p[i]);
     if (all) {
         m->p2p_base += m->p2p_n;
@@ -4264,7 +4302,7 @@ DSK_API dsk_status dsk_comm_test(dsk_comm *c, dsk_ctx *ctx, int64_t req, int *st
     if (dsk__comm_io_push(c, fn, m->p2p, m->p2p_n, &st) < 0) return dsk__comm_break(c, st);
     op = &m->p2p[req - m->p2p_base];
     if (!dsk__comm_io_finished(op)) *state = op->done ? DSK_COMM_REQ_MOVING : DSK_COMM_REQ_IDLE;
-    else if (dsk__comm_now() < dsk__comm_p2p_due(m, op))
+    else if (dsk__comm_now() < op->due)
         *state = DSK_COMM_REQ_MOVING; /* not yet across the emulated link: a wait would sleep */
     c->stats.seconds += dsk__comm_now() - t0;
     return DSK_OK;
@@ -4508,6 +4546,7 @@ static dsk_status dsk__comm_host_split(dsk_comm *c, const char *fn, int color, i
     m->piece_bytes = pm->piece_bytes;
     m->link_bps = pm->link_bps;
     m->link_s = pm->link_s;
+    dsk__comm_nic_share(m, pm->nic);
     memcpy(m->my_ip, pm->my_ip, sizeof m->my_ip);
     snprintf(m->ns, sizeof m->ns, "%.40s/%llu.%d", pm->ns, (unsigned long long)pm->splits, color);
     m->tag = pm->tag ^ (0x9E3779B97F4A7C15ull * (pm->splits * 65536u + (uint64_t)color + 1));

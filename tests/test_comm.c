@@ -1199,8 +1199,25 @@ static void case_free_port(void) {
 /* The emulated link (opts.link_gbps 0.05, link_latency_us 2000): an all-to-all lasts at least the
    latency plus the bytes this rank sent over 50 MB/s, and delivers the data intact; a begun one reports the other
    ranks' blocks landed no sooner than the latency plus the bytes received over 50 MB/s; a split inherits the
-   link (its all-reduce lasts the latency at least). Bad values fail init naming the field or variable. */
+   link (its all-reduce lasts the latency at least); the link is the rank's: two begun sends, and calls on the
+   parent and the split from two threads at once, take their bytes one after another. Bad values fail init naming
+   the field or variable. */
 enum { LINK_N = 1 << 18 }; /* floats a rank sends in all */
+
+typedef struct link_call {
+    dsk_comm *c;
+    const float *x;
+    float *y;
+    int64_t n;
+    dsk_status st;
+} link_call;
+
+static void *link_all_reduce(void *arg) {
+    link_call *a = (link_call *)arg;
+    a->st = dsk_comm_all_reduce(a->c, NULL, a->x, a->y, a->n, DSK_F32, DSK_COMM_SUM);
+    return NULL;
+}
+
 static void rank_link(dsk_comm *c, void *arg) {
     int n = c->world_size, me = c->rank;
     float *x = (float *)malloc(sizeof(float) * LINK_N), *y = (float *)malloc(sizeof(float) * LINK_N);
@@ -1254,6 +1271,20 @@ static void rank_link(dsk_comm *c, void *arg) {
         DSK_TEST_EXPECT(dt >= want - 1e-4, "rank %d: a begun send ended after %.4f s, the link %.4f s", me, dt, want);
         DSK_TEST_OK(dsk_comm_wait(c, NULL, DSK_COMM_ALL_REQUESTS));
     }
+    /* two begun sends: the second's bytes leave after the first's */
+    {
+        int64_t req[2];
+        int to = (me + 1) % n, from = (me + n - 1) % n, k = LINK_N / 2;
+        t0 = dsk_test_now();
+        for (int i = 0; i < 2; i++) DSK_TEST_OK(dsk_comm_recv_start(c, NULL, y + i * k, k, DSK_F32, from, NULL));
+        for (int i = 0; i < 2; i++) DSK_TEST_OK(dsk_comm_send_start(c, NULL, x + i * k, k, DSK_F32, to, &req[i]));
+        DSK_TEST_OK(dsk_comm_wait(c, NULL, req[1]));
+        dt = dsk_test_now() - t0;
+        want = 2e-3 + 2.0 * sizeof(float) * k / 5e7;
+        DSK_TEST_EXPECT(dt >= want - 1e-4, "rank %d: the second of two begun sends ended after %.4f s, the link %.4f s",
+                        me, dt, want);
+        DSK_TEST_OK(dsk_comm_wait(c, NULL, DSK_COMM_ALL_REQUESTS));
+    }
     DSK_TEST_OK(dsk_comm_split(c, 0, me, &sub));
     t0 = dsk_test_now();
     DSK_TEST_OK(dsk_comm_all_reduce(&sub, NULL, x, y, 16, DSK_F32, DSK_COMM_SUM));
@@ -1261,6 +1292,25 @@ static void rank_link(dsk_comm *c, void *arg) {
                     "rank %d: a split's all-reduce took %.4f s, under the "
                     "link's latency",
                     me, dsk_test_now() - t0);
+    /* the parent and the split at once, from two threads: one link, their bytes one after another */
+    {
+        link_call a = {c, x, y, LINK_N / 2, DSK_ERR_STATE},
+                  b = {&sub, x + LINK_N / 2, y + LINK_N / 2, LINK_N / 2, DSK_ERR_STATE};
+        uint64_t sent = c->stats.bytes_sent + sub.stats.bytes_sent;
+        pthread_t th;
+        t0 = dsk_test_now();
+        DSK_TEST_EXPECT(pthread_create(&th, NULL, link_all_reduce, &b) == 0, "rank %d: pthread_create", me);
+        link_all_reduce(&a);
+        pthread_join(th, NULL);
+        dt = dsk_test_now() - t0;
+        sent = c->stats.bytes_sent + sub.stats.bytes_sent - sent;
+        want = 2e-3 + (double)sent / 5e7;
+        DSK_TEST_EXPECT(a.st == DSK_OK && b.st == DSK_OK, "rank %d: all-reduces at once: %s", me, dsk_last_error());
+        DSK_TEST_EXPECT(sent >= 2 * sizeof(float) * (LINK_N / 2) * (n - 1) / n, "rank %d sent %llu bytes", me,
+                        (unsigned long long)sent);
+        DSK_TEST_EXPECT(dt >= want - 1e-4,
+                        "rank %d: two communicators' all-reduces at once took %.4f s, the link %.4f s", me, dt, want);
+    }
     dsk_comm_free(&sub);
     free(x);
     free(y);
