@@ -34,14 +34,16 @@
      recomputation reruns) over world x peak x efficiency (a pipeline's: the stage that keeps its pace,
      the most compute and expert exchanges of the model callback's flops and MoE layers per stage,
      dsk_plan_stages, over tp x dp x peak x efficiency), plus the schedule's bubble: the schedule's lists
-     run with each stage's own compute and expert exchanges (dsk_par_schedule_time, the transfers meeting as
-     the cluster's backend has them for the messages' size, dsk_plan_transfers; a stage's chunks
-     alike, its forward a third of its FLOPs without recomputation and half its exchanges), less the
-     pace stage's busy time, which for equal stages is dsk_par_bubble_fraction x its compute and
-     exchanges, and for unequal ones what the lighter stages' order makes them wait; each collective's bytes over
-     the link it crosses (ring all-reduce 2 (n-1)/n, reduce-scatter, all-gather and all-to-all
-     (n-1)/n of the message per rank; intra-node when the group fits in a node, else the inter-node
-     bandwidth) plus a latency per message; tensor-parallel (the busiest stage's collectives by kind
+     run with each stage's own compute, expert exchanges and tensor-parallel collectives (each layer's, inside
+     its passes) (dsk_par_schedule_time, the transfers meeting as the cluster's backend has them for the
+     messages' size, dsk_plan_transfers; a stage's chunks alike, its forward a third of its FLOPs without
+     recomputation and half its exchanges and collectives), less the pace stage's busy time, which for equal
+     stages is dsk_par_bubble_fraction x it, and for unequal ones what the lighter stages' order makes them
+     wait; each collective's bytes over the link it crosses (ring all-reduce 2 (n-1)/n, reduce-scatter,
+     all-gather and all-to-all (n-1)/n of the message per rank, n its group: for the gradient reductions and
+     weight gathers each object's own, the data-parallel ranks, the expert group or tp x dp for what tensor
+     parallelism replicates, the callback's link_bytes; intra-node when the group fits in a node, else the
+     inter-node bandwidth) plus a latency per message; tensor-parallel (the busiest stage's collectives by kind
      and their calls, which the model's callback gives: examples/train_plan.h walks the trainer's
      call sites, tests/test_plan.sh compares them with a run's dsk_comm_stats), expert-parallel
      (dispatch and combine, forward and backward, of that stage's MoE layers) and pipeline (the sends
@@ -49,14 +51,16 @@
      schedule and buffers, and tests/test_plan.sh compares them with the bytes a run hands to
      dsk_comm_send) traffic is exposed, except that with forwards and backwards paired (the
      trainer's --pair-micro-batches) a pair's expert exchanges travel beside the other micro-batch's
-     compute (result.ep_hidden_s, dsk__plan_pair_hidden); the gradient reductions overlap backward up to
-     cluster.overlap of it. An FP8 layout runs the model's fp8_flops_per_token (and their recomputed
-     forward) at fp8_tflops instead of bf16_tflops, at the same efficiency. CPU ranks that share
+     compute (result.ep_hidden_s, dsk__plan_pair_hidden); the gradient reductions overlap the backward
+     of the passes that reduce (ZeRO 0-1 reduce once, after the last micro-batch: its backward alone; ZeRO 2-3
+     every micro-batch's) up to cluster.overlap of it. An FP8 layout runs the model's fp8_flops_per_token (and
+     their recomputed forward) at fp8_tflops instead of bf16_tflops, at the same efficiency. CPU ranks that share
      cores (cluster.cores_per_node below the ranks of a node; bf16_tflops is then one core's rate):
      a waiting rank gives its core away, so the step is the larger of that one-device-per-rank step
      (the critical path) and the node's busy work (every rank's compute and communication, CPU work
-     on the host backend, overlapped or not) over its cores (result.cores_s is what this adds; the
-     derivation is at dsk__plan_shared_cores). The optimizer step, after the reductions, streams
+     on the host backend, overlapped or not; with cluster.link_wait, a link whose time is a wait, not
+     communication) over its cores (result.cores_s is what this adds; the derivation is at
+     dsk__plan_shared_cores). The optimizer step, after the reductions, streams
      memory.optimizer_step bytes (the callback's count) at cluster.memory_gbps when the file gives
      it (result.opt_s). The efficiency and the overlap are calibration: bench/plan_rank.sh measures
      this machine's CPU ranks into bench/plan_cpu_calibrated.json (its figures and command in
@@ -121,9 +125,13 @@ typedef struct dsk_plan_cluster {
     double intra_gbps, inter_gbps;  /* per GPU and direction, GB/s: inside a node (NVLink), between nodes (NIC) */
     double intra_latency_us, inter_latency_us;
     double efficiency; /* optional [0.4]: the share of bf16 peak the GEMMs reach */
-    double overlap;    /* optional [0.8]: the share of backward the gradient collectives hide under */
+    double overlap;    /* optional [0.8]: the share of a reducing pass's backward the gradient collectives hide
+                          under */
     double reserve_gb; /* optional [0]: memory per GPU no layout may use (context, fragmentation) */
     int cores_per_node; /* optional [0]: the CPU cores a node's ranks share (CPU ranks); 0: a device per rank */
+    int link_wait;      /* optional [0]: CPU ranks: 1 when a link's time is a wait that gives the core away (a
+                           network card moves the bytes, or dsk_comm's emulated link, DSK_LINK_GBPS, sleeps), 0
+                           when the ranks' CPUs copy them (shared memory) */
     double memory_gbps; /* optional [0]: GB/s at which a rank's optimizer step streams its bytes (the memory's
                            bandwidth per GPU; CPU ranks: per rank); 0: the optimizer step is not timed */
 } dsk_plan_cluster;
@@ -196,14 +204,16 @@ typedef struct dsk_plan_model {
     double act_bytes;            /* bytes per element of activations on the wire (2: bf16) */
     /* stage `stage` of the layout: its rank's memory; *reduce_bytes and *gather_bytes: what its
        gradient reductions and weight gathers hand over per step (the messages, dsk_zero_plan's);
-       *reduce_all: 1 when the reductions are all-reduces (ZeRO 0-1), 0 reduce-scatters;
+       *link_bytes: what they put on the rank's link per step: each message times (n - 1) / n of the n ranks
+       it is reduced or gathered over (the object's group: the data-parallel ranks, the expert group, tp x dp for
+       what tensor parallelism replicates), twice for an all-reduce (ZeRO 0-1; 2-3 reduce-scatter);
        *send_bytes: what its pipeline sends (activations and gradients) hand over per step;
        *tp: its tensor-parallel collectives per step (zero without tensor parallelism);
        *flops: the FLOPs per token of the stage's layers (all its chunks; the last's head and MTP
        modules too), all its tp ranks together, and its chunks' MoE layers (left zero: the model's
        over pp) */
     dsk_status (*memory)(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage, dsk_plan_memory *mem,
-                         double *reduce_bytes, double *gather_bytes, int *reduce_all, double *send_bytes,
+                         double *reduce_bytes, double *gather_bytes, double *link_bytes, double *send_bytes,
                          dsk_plan_tp *tp, dsk_plan_flops *flops);
     void *user;
 } dsk_plan_model;
@@ -237,10 +247,10 @@ typedef struct dsk_plan_result {
     char why[200]; /* why it lost to the best (empty for the best) */
 } dsk_plan_result;
 
-/* The step time of r->layout given its gradient traffic, r->pp_bytes, r->tp and (pp > 1) dsk_plan_stages' fields
-   (fills the seconds of *r). */
+/* The step time of r->layout given its gradient reductions' and gathers' bytes on a rank's link (the callback's
+   link_bytes), r->pp_bytes, r->tp and (pp > 1) dsk_plan_stages' fields (fills the seconds of *r). */
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
-                                 double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r);
+                                 double grad_link_bytes, dsk_plan_result *r);
 /* From r->layout's pp stages' FLOPs (the callback's, stages[0..pp)): r->stage_flops, the stage that keeps the
    pipeline's pace, the most compute and expert exchanges (moe_layers -1 where no stage counts its MoE layers while
    the model has some: then the busiest stage, every stage's exchanges the mean's), and r->pipe_s, the schedule's
@@ -254,10 +264,12 @@ DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_clust
    meet in order (DSK_PAR_TRANSFERS_IN_ORDER). */
 DSK_API dsk_par_transfers dsk_plan_transfers(const dsk_plan_cluster *c, double message_bytes);
 /* What dsk_plan_stages times: a micro-batch's forward and backward of each global stage k pp + s (fwd_s, bwd_s: pp v
-   each), stage s's compute and expert exchanges over its chunks alike, the forward a third of its FLOPs without
-   recomputation and half its exchanges. */
+   each), stage s's compute, expert exchanges and tensor-parallel collectives (tp, every stage's taken as the
+   busiest's; NULL: none) over its chunks alike, the forward a third of its FLOPs without recomputation and half its
+   exchanges and collectives (each layer's run inside its passes, as its compute). */
 DSK_API void dsk_plan_stage_times(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
-                                  const dsk_plan_layout *l, const dsk_plan_flops *stages, double *fwd_s, double *bwd_s);
+                                  const dsk_plan_layout *l, const dsk_plan_tp *tp, const dsk_plan_flops *stages,
+                                  double *fwd_s, double *bwd_s);
 /* Enumerates, sizes and times every layout of the space (NULL: all); *out (dsk_plan_results_free)
    sorted: the fitting ones fastest first, then the others smallest first; each `why` filled. */
 DSK_API dsk_status dsk_plan_run(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
@@ -403,6 +415,7 @@ static const dsk__plan_key dsk__plan_keys[] = {
     {"reserve_gb", offsetof(dsk_plan_cluster, reserve_gb), 3, 0},
     {"cores_per_node", offsetof(dsk_plan_cluster, cores_per_node), 4, 0},
     {"memory_gbps", offsetof(dsk_plan_cluster, memory_gbps), 3, 0},
+    {"link_wait", offsetof(dsk_plan_cluster, link_wait), 4, 0},
 };
 #define DSK__PLAN_NKEYS (int)(sizeof dsk__plan_keys / sizeof dsk__plan_keys[0])
 
@@ -458,6 +471,9 @@ DSK_API dsk_status dsk_plan_cluster_parse(dsk_plan_cluster *c, const char *json,
     if (out.efficiency > 1 || out.overlap > 1)
         return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_cluster_parse: %s: efficiency %g and overlap %g must be <= 1",
                              what, out.efficiency, out.overlap);
+    if (out.link_wait > 1)
+        return dsk_set_error(DSK_ERR_CORRUPT, "dsk_plan_cluster_parse: %s: \"link_wait\" is %d: 0 or 1", what,
+                             out.link_wait);
     *c = out;
     return DSK_OK;
 }
@@ -498,13 +514,16 @@ static double dsk__plan_link(const dsk_plan_cluster *c, int span, double bytes, 
    copied by the ranks' CPUs (into the shared-memory ring and out, the reduction's fold, the system
    calls that wake a sleeper), so all of it is CPU work, hidden under backward or not. The node's
    cores run the R ranks' R W (the node's ranks taken alike, the modelled rank's W for each, its
-   compute the stages' mean `compute_s`) at most `cores` at a time: step >= R W / cores. And no rank
+   compute the stages' mean `compute_s`) at most `cores` at a time: step >= R W / cores. On a link whose
+   time is a wait (cluster.link_wait: a network card moves the bytes, or dsk_comm's emulated link sleeps
+   them out) W is compute and the optimizer alone; the copies under it are small beside the link's time. And no rank
    ends before its own chain of dependences, the one-device-per-rank step: step >= that. The step is
    the larger bound (work-bound when the cores never idle, path-bound when they do); r->cores_s is what
    it adds to the one-device-per-rank step. */
 static void dsk__plan_shared_cores(const dsk_plan_cluster *c, int world, double compute_s, dsk_plan_result *r) {
     int ranks = world < c->gpus_per_node ? world : c->gpus_per_node;
-    double work = ranks * (compute_s + r->tp_s + r->ep_s + r->pp_s + r->zero_s + r->opt_s);
+    double comm_s = c->link_wait ? 0 : r->tp_s + r->ep_s + r->pp_s + r->zero_s;
+    double work = ranks * (compute_s + comm_s + r->opt_s);
     r->cores_s = 0;
     if (c->cores_per_node > 0 && ranks > c->cores_per_node && work / c->cores_per_node > r->step_s)
         r->cores_s = work / c->cores_per_node - r->step_s;
@@ -573,23 +592,32 @@ static double dsk__plan_layers_of(const dsk_plan_model *m, const dsk_plan_layout
     return counted || m->moe_layers == 0 ? (double)stage->moe_layers : (double)m->moe_layers / l->pp;
 }
 
-/* Seconds of stage f's forward passes: a third of its FLOPs without recomputation, and half its exchanges. */
+/* Seconds of stage f's forward passes: a third of its FLOPs without recomputation, and half its exchanges and
+   collectives (comm_s). */
 static double dsk__plan_forward_s(const dsk_plan_cluster *c, const dsk_plan_job *job, const dsk_plan_layout *l,
-                                  const dsk_plan_flops *f, double ep_s) {
+                                  const dsk_plan_flops *f, double comm_s) {
     dsk_plan_layout plain = *l;
     plain.recompute = DSK_PLAN_RECOMPUTE_NONE;
-    return dsk__plan_compute_s(c, job, &plain, f, l->tp * l->dp) / 3 + ep_s / 2;
+    return dsk__plan_compute_s(c, job, &plain, f, l->tp * l->dp) / 3 + comm_s / 2;
+}
+
+/* Seconds of a rank's tensor-parallel collectives per step (a ring's share of each kind's bytes, a latency a call). */
+static double dsk__plan_tp_s(const dsk_plan_cluster *c, const dsk_plan_layout *l, const dsk_plan_tp *tp) {
+    double n = l->tp;
+    if (!tp || l->tp < 2) return 0;
+    return dsk__plan_link(c, l->tp, (n - 1) / n * (2 * tp->all_reduce + tp->all_gather + tp->reduce_scatter),
+                          tp->calls);
 }
 
 DSK_API void dsk_plan_stage_times(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
-                                  const dsk_plan_layout *l, const dsk_plan_flops *stages, double *fwd_s,
-                                  double *bwd_s) {
+                                  const dsk_plan_layout *l, const dsk_plan_tp *tp, const dsk_plan_flops *stages,
+                                  double *fwd_s, double *bwd_s) {
     int p = l->pp, v = l->vstages > 0 ? l->vstages : 1, counted = dsk__plan_moe_counted(stages, p);
-    double mv = (double)l->micro * v;
+    double mv = (double)l->micro * v, tp_s = dsk__plan_tp_s(c, l, tp);
     for (int s = 0; s < p; s++) {
-        double ep = dsk__plan_ep_s(m, c, job, l, dsk__plan_layers_of(m, l, &stages[s], counted));
-        double busy = dsk__plan_compute_s(c, job, l, &stages[s], l->tp * l->dp) + ep;
-        double f = dsk__plan_forward_s(c, job, l, &stages[s], ep);
+        double comm = dsk__plan_ep_s(m, c, job, l, dsk__plan_layers_of(m, l, &stages[s], counted)) + tp_s;
+        double busy = dsk__plan_compute_s(c, job, l, &stages[s], l->tp * l->dp) + comm;
+        double f = dsk__plan_forward_s(c, job, l, &stages[s], comm);
         for (int k = 0; k < v; k++) { /* each of the rank's chunks alike */
             fwd_s[k * p + s] = f / mv;
             bwd_s[k * p + s] = (busy - f) / mv;
@@ -615,7 +643,7 @@ DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_clust
     fwd = (double *)DSK_MALLOC((size_t)2 * p * v * sizeof *fwd);
     if (!fwd) return dsk_set_error(DSK_ERR_OOM, "dsk_plan_stages: %d stages' times", p * v);
     bwd = fwd + p * v;
-    dsk_plan_stage_times(m, c, job, l, stages, fwd, bwd);
+    dsk_plan_stage_times(m, c, job, l, &r->tp, stages, fwd, bwd);
     for (int s = 0; s < p; s++)
         if (fwd[s] + bwd[s] > fwd[pace] + bwd[pace]) pace = s;
     r->stage_flops = stages[pace];
@@ -638,12 +666,12 @@ static double dsk__plan_stage_moe(const dsk_plan_model *m, const dsk_plan_result
 }
 
 DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
-                                 double reduce_bytes, double gather_bytes, int reduce_all, dsk_plan_result *r) {
+                                 double grad_link_bytes, dsk_plan_result *r) {
     const dsk_plan_layout *l = &r->layout;
     int world = l->tp * l->pp * l->dp;
     dsk_plan_flops model = {m->flops_per_token, m->attn_flops_per_token, m->fp8_flops_per_token, m->moe_layers};
     double mean_s = dsk__plan_compute_s(c, job, l, &model, world); /* the stages' mean */
-    double dpn = l->dp, tpn = l->tp;
+    double busy_s;
     if (l->pp > 1 && !(r->pipe_s > 0))
         return dsk_set_error(DSK_ERR_ARG,
                              "dsk_plan_time: a pipeline of %d stages without its stages' times "
@@ -651,22 +679,16 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
                              l->pp);
     /* a pipeline keeps its slowest stage's pace (dsk_plan_stages picks it) */
     r->compute_s = l->pp > 1 ? dsk__plan_compute_s(c, job, l, &r->stage_flops, l->tp * l->dp) : mean_s;
-    r->tp_s = l->tp > 1
-                  ? dsk__plan_link(c, l->tp,
-                                   (tpn - 1) / tpn * (2 * r->tp.all_reduce + r->tp.all_gather + r->tp.reduce_scatter),
-                                   r->tp.calls)
-                  : 0;
+    r->tp_s = dsk__plan_tp_s(c, l, &r->tp);
     r->ep_s = dsk__plan_ep_s(m, c, job, l, dsk__plan_stage_moe(m, r));
     /* what the schedule adds to the pace stage's busy time (its own bubble and its waits on the others) */
-    r->bubble_s = l->pp > 1 && r->pipe_s > r->compute_s + r->ep_s ? r->pipe_s - r->compute_s - r->ep_s : 0;
+    busy_s = r->compute_s + r->ep_s + r->tp_s;
+    r->bubble_s = l->pp > 1 && r->pipe_s > busy_s ? r->pipe_s - busy_s : 0;
     r->ep_hidden_s = dsk__plan_pair_hidden(m, l, r->lead_moe_layers, r->ep_s, r->compute_s);
     r->pp_s = l->pp > 1 ? dsk__plan_link(c, l->tp * l->dp + 1, r->pp_bytes, 2.0 * l->micro * l->vstages) : 0;
-    r->zero_s = dpn > 1
-                    ? dsk__plan_link(
-                          c, l->dp * l->tp,
-                          (reduce_all ? 2.0 : 1.0) * (dpn - 1) / dpn * reduce_bytes + (dpn - 1) / dpn * gather_bytes, 0)
-                    : 0;
-    r->zero_exposed_s = r->zero_s - c->overlap * (2.0 / 3.0) * r->compute_s;
+    r->zero_s = grad_link_bytes > 0 ? dsk__plan_link(c, l->dp * l->tp, grad_link_bytes, 0) : 0;
+    /* the reductions run beside the backward of the passes that reduce: ZeRO 0-1 the step's last micro-batch's */
+    r->zero_exposed_s = r->zero_s - c->overlap * (2.0 / 3.0) * r->compute_s / (l->zero <= 1 ? l->micro : 1);
     if (r->zero_exposed_s < 0) r->zero_exposed_s = 0;
     /* AdamW after the reductions: memory-bound, nothing beside it */
     r->opt_s = c->memory_gbps > 0 ? (double)r->mem.optimizer_step / (1e9 * c->memory_gbps) : 0;
@@ -703,8 +725,7 @@ static double dsk__plan_tp_total(const dsk_plan_tp *tp) { return tp->all_reduce 
 /* Sizes (the worst stage) and times one layout. */
 static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  dsk_plan_result *r) {
-    double red = 0, gat = 0;
-    int all = 1;
+    double red = 0, gat = 0, link = 0;
     dsk_plan_flops *stages = (dsk_plan_flops *)DSK_MALLOC((size_t)r->layout.pp * sizeof *stages);
     dsk_status st = DSK_OK;
     if (!stages) return dsk_set_error(DSK_ERR_OOM, "dsk_plan_run: %d stages' FLOPs", r->layout.pp);
@@ -716,13 +737,12 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
         dsk_plan_memory mem;
         dsk_plan_tp tp;
         dsk_plan_flops fl;
-        double rb = 0, gb = 0, sb = 0;
-        int ra = 1;
+        double rb = 0, gb = 0, lb = 0, sb = 0;
         int64_t tot;
         memset(&mem, 0, sizeof mem);
         memset(&tp, 0, sizeof tp);
         memset(&fl, 0, sizeof fl);
-        if ((st = m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &ra, &sb, &tp, &fl)) != DSK_OK) break;
+        if ((st = m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &lb, &sb, &tp, &fl)) != DSK_OK) break;
         if (sb > r->pp_bytes) r->pp_bytes = sb;
         stages[s] = fl;
         if (s == 0) r->lead_moe_layers = fl.moe_layers;
@@ -736,14 +756,14 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
         if (rb + gb > red + gat) {
             red = rb;
             gat = gb;
-            all = ra;
+            link = lb;
         }
     }
     if (st == DSK_OK) st = dsk_plan_stages(m, c, job, stages, r);
     DSK_FREE(stages);
     if (st != DSK_OK) return st;
     r->fits = (double)r->total <= 1e9 * (c->memory_gb - c->reserve_gb);
-    return dsk_plan_time(m, c, job, red, gat, all, r);
+    return dsk_plan_time(m, c, job, link, r);
 }
 
 static int dsk__plan_ok(int want, int v) { return want == 0 || want == v; }

@@ -28,7 +28,7 @@ typedef struct plan_entry {
     char err[256];
     dsk_plan_memory mem[TPL_VARIANTS];
     double reduce[TPL_VARIANTS], gather[TPL_VARIANTS], send, ep[2], tp[TP_TRAFFIC];
-    int all[TPL_VARIANTS];
+    double link[TPL_VARIANTS];
     dsk_plan_flops flops;
 } plan_entry;
 
@@ -71,7 +71,7 @@ static void plan_tp(const double tr[TP_TRAFFIC], dsk_plan_tp *tp) {
 }
 
 static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage,
-                              dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all, double *send,
+                              dsk_plan_memory *mem, double *reduce, double *gather, double *link, double *send,
                               dsk_plan_tp *tp, dsk_plan_flops *flops) {
     plan_user *u = (plan_user *)user;
     plan_entry k, *e = NULL;
@@ -90,14 +90,14 @@ static dsk_status plan_memory(void *user, const dsk_plan_layout *l, const dsk_pl
         e = &u->cache[u->n++];
         *e = k;
         e->st = tpl_rank(l->fp8 ? &u->base_fp8 : &u->base, &u->zo, u->cuda, l, job, stage, e->mem, e->reduce, e->gather,
-                         e->all, &e->send, e->ep, e->tp, &e->flops);
+                         e->link, &e->send, e->ep, e->tp, &e->flops);
         if (e->st != DSK_OK) snprintf(e->err, sizeof e->err, "%s", dsk_last_error());
     }
     if (e->st != DSK_OK) return dsk_set_error(e->st, "%s", e->err);
     *mem = e->mem[tpl_variant(l)];
     *reduce = e->reduce[tpl_variant(l)];
     *gather = e->gather[tpl_variant(l)];
-    *reduce_all = e->all[tpl_variant(l)];
+    *link = e->link[tpl_variant(l)];
     *send = e->send;
     *flops = e->flops;
     plan_tp(e->tp, tp);
@@ -165,14 +165,15 @@ static int check_layout(const trainer *t, dsk_plan_layout *l, dsk_plan_job *job)
 
 /* A pipeline's timed schedule: each stage's forward and backward of a micro-batch chunk, and the lists' step. */
 static int print_pipeline(const dsk_plan_model *pm, const dsk_plan_cluster *cl, const dsk_plan_job *job,
-                          const dsk_plan_layout *l, const dsk_plan_flops *stages, double pipe_s) {
+                          const dsk_plan_layout *l, const dsk_plan_tp *tp, const dsk_plan_flops *stages,
+                          double pipe_s) {
     int n = l->pp * (l->vstages > 0 ? l->vstages : 1);
     double *f = (double *)malloc(2 * (size_t)n * sizeof *f);
     if (!f) {
         fprintf(stderr, "dsk_plan: out of memory for %d stages' times\n", n);
         return 1;
     }
-    dsk_plan_stage_times(pm, cl, job, l, stages, f, f + n);
+    dsk_plan_stage_times(pm, cl, job, l, tp, stages, f, f + n);
     printf("plan pipeline: %.6f s; forward, backward of a micro-batch chunk by stage:", pipe_s);
     for (int s = 0; s < n; s++) printf(" %.9g %.9g", f[s], f[n + s]);
     printf("\n");
@@ -182,8 +183,8 @@ static int print_pipeline(const dsk_plan_model *pm, const dsk_plan_cluster *cl, 
 
 /* With --cluster: the step time dsk_plan.h's model predicts for the layout (bench/plan_rank.sh). */
 static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_plan_layout *l, const dsk_plan_job *job,
-                      const dsk_plan_memory *mem, double red, double gat, int all, double send,
-                      const double tr[TP_TRAFFIC], const dsk_plan_flops *stages) {
+                      const dsk_plan_memory *mem, double link, double send, const double tr[TP_TRAFFIC],
+                      const dsk_plan_flops *stages) {
     dsk_plan_cluster cl;
     dsk_plan_result r;
     memset(&r, 0, sizeof r);
@@ -196,8 +197,7 @@ static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_p
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
     }
-    if (dsk_plan_stages(pm, &cl, job, stages, &r) != DSK_OK ||
-        dsk_plan_time(pm, &cl, job, red, gat, all, &r) != DSK_OK) {
+    if (dsk_plan_stages(pm, &cl, job, stages, &r) != DSK_OK || dsk_plan_time(pm, &cl, job, link, &r) != DSK_OK) {
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
     }
@@ -205,7 +205,7 @@ static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_p
            "%.6f), optimizer %.6f, shared cores %.6f, ep hidden %.6f\n",
            r.step_s, r.compute_s, r.bubble_s, r.tp_s, r.ep_s, r.pp_s, r.zero_s, r.zero_exposed_s, r.opt_s, r.cores_s,
            r.ep_hidden_s);
-    return l->pp > 1 ? print_pipeline(pm, &cl, job, l, stages, r.pipe_s) : 0;
+    return l->pp > 1 ? print_pipeline(pm, &cl, job, l, &r.tp, stages, r.pipe_s) : 0;
 }
 
 /* Prints the FLOPs per token and the MoE layers of every stage of l (the model's callback, as dsk_plan_run asks),
@@ -217,9 +217,8 @@ static int check_flops(const dsk_plan_model *pm, const dsk_plan_layout *l, const
         dsk_plan_memory mem;
         dsk_plan_tp tp;
         dsk_plan_flops f;
-        double rb, gb, sb;
-        int ra;
-        if (pm->memory(pm->user, l, job, s, &mem, &rb, &gb, &ra, &sb, &tp, &f) != DSK_OK) {
+        double rb, gb, lb, sb;
+        if (pm->memory(pm->user, l, job, s, &mem, &rb, &gb, &lb, &sb, &tp, &f) != DSK_OK) {
             fprintf(stderr, "\ndsk_plan: %s\n", dsk_last_error());
             return 1;
         }
@@ -239,13 +238,14 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
     dsk_plan_memory mem[TPL_VARIANTS];
     double red[TPL_VARIANTS], gat[TPL_VARIANTS], send, ep[2], tr[TP_TRAFFIC];
     dsk_plan_flops flops, *stages;
-    int all[TPL_VARIANTS], v, rc;
+    double link[TPL_VARIANTS];
+    int v, rc;
     if (check_layout(t, &l, &job) != 0 || rank < 0 || rank >= o->nproc) {
         fprintf(stderr, "dsk_plan: --check-rank %d: --nproc %d must be a multiple of --tp %d x --pp %d\n", rank,
                 o->nproc, o->tp, o->pp);
         return 2;
     }
-    if (tpl_rank(l.fp8 ? &u->base_fp8 : &u->base, &u->zo, u->cuda, &l, &job, rank / (l.tp * l.dp), mem, red, gat, all,
+    if (tpl_rank(l.fp8 ? &u->base_fp8 : &u->base, &u->zo, u->cuda, &l, &job, rank / (l.tp * l.dp), mem, red, gat, link,
                  &send, ep, tr, &flops) != DSK_OK) {
         fprintf(stderr, "dsk_plan: %s\n", dsk_last_error());
         return 1;
@@ -264,7 +264,7 @@ static int check_rank(trainer *t, plan_user *u, const dsk_plan_model *pm, const 
         return 1;
     }
     rc = check_flops(pm, &l, &job, stages);
-    if (rc == 0 && cluster) rc = check_time(pm, cluster, &l, &job, &mem[v], red[v], gat[v], all[v], send, tr, stages);
+    if (rc == 0 && cluster) rc = check_time(pm, cluster, &l, &job, &mem[v], link[v], send, tr, stages);
     free(stages);
     return rc;
 }

@@ -40,7 +40,7 @@ static int64_t tz_opt_step_bytes(dsk_dtype weight, dsk_dtype moments) {
    declared parameters (no slabs, no activations). */
 static dsk_status tz_plan(tm_model *m, const tz_group *groups, const int *group_size, const tz_place *place,
                           const tz_opts *o, dsk_zero_memory *mem, dsk_zero_plan_out *plans, int *n_obj,
-                          int64_t *opt_step) {
+                          int64_t *opt_step, int *obj_ranks) {
     tz t;
     dsk_zero_param *ps;
     int n[TZ_MAX_OBJ] = {0};
@@ -51,7 +51,8 @@ static dsk_status tz_plan(tm_model *m, const tz_group *groups, const int *group_
     if (s == DSK_OK) s = tz_lists(&t, place, ps, n, &scratch);
     for (int k = 0; k < t.n_obj && s == DSK_OK; k++) {
         dsk_zero_opts zo = tz_zero_opts(o, &groups[t.obj_group[k]], t.obj_dt[k]);
-        s = dsk_zero_plan(&ps[k * m->n_params], n[k], group_size[t.obj_group[k]], 0, &zo, &plans[k]);
+        obj_ranks[k] = group_size[t.obj_group[k]];
+        s = dsk_zero_plan(&ps[k * m->n_params], n[k], obj_ranks[k], 0, &zo, &plans[k]);
         mem->params += plans[k].memory.params;
         mem->grads += plans[k].memory.grads;
         mem->optimizer += plans[k].memory.optimizer;
@@ -112,9 +113,9 @@ static int tpl_variant(const dsk_plan_layout *l) { return (l->moments == DSK_BF1
 
 /* The engine's objects for the model built above: their memory and their traffic per step. */
 static dsk_status tpl_engine(tm_model *m, tp_state *ps, const dsk_plan_layout *l, const tz_opts *zo, int zero,
-                             dsk_dtype moments, dsk_plan_memory *mem, double *reduce, double *gather, int *reduce_all) {
+                             dsk_dtype moments, dsk_plan_memory *mem, double *reduce, double *gather, double *link) {
     tz_group groups[TZ_MAX_GROUPS];
-    int sizes[TZ_MAX_GROUPS] = {0}, n_obj = 0;
+    int sizes[TZ_MAX_GROUPS] = {0}, n_obj = 0, ranks[TZ_MAX_OBJ] = {0};
     tz_opts o;
     dsk_zero_memory zm;
     dsk_zero_plan_out *plans = (dsk_zero_plan_out *)calloc(TZ_MAX_OBJ, sizeof *plans);
@@ -134,7 +135,7 @@ static dsk_status tpl_engine(tm_model *m, tp_state *ps, const dsk_plan_layout *l
         sizes[0] = l->dp;
         sizes[1] = l->dp / l->ep;
     }
-    if (s == DSK_OK) s = tz_plan(m, groups, sizes, place, &o, &zm, plans, &n_obj, &mem->optimizer_step);
+    if (s == DSK_OK) s = tz_plan(m, groups, sizes, place, &o, &zm, plans, &n_obj, &mem->optimizer_step, ranks);
     if (s == DSK_OK) {
         /* ZeRO 0-1 reduce once per step, 2-3 every pass; 1-2 gather once, 3 before each unit's forward and backward */
         double passes = zero <= 1 ? 1 : l->micro, gathers = zero == 3 ? 2.0 * l->micro : zero > 0;
@@ -142,12 +143,15 @@ static dsk_status tpl_engine(tm_model *m, tp_state *ps, const dsk_plan_layout *l
         mem->grads = zm.grads;
         mem->optimizer = zm.optimizer;
         mem->comm = zm.comm;
-        *reduce = *gather = 0;
-        for (int k = 0; k < n_obj; k++) {
+        *reduce = *gather = *link = 0;
+        for (int k = 0; k < n_obj;
+             k++) { /* on the link: (n - 1) / n of each message of its n ranks, an all-reduce twice */
+            double share = (ranks[k] - 1.0) / ranks[k];
             *reduce += passes * (double)plans[k].reduce_bytes;
             *gather += gathers * (double)plans[k].gather_bytes;
+            *link += share * ((zero <= 1 ? 2.0 : 1.0) * passes * (double)plans[k].reduce_bytes +
+                              gathers * (double)plans[k].gather_bytes);
         }
-        *reduce_all = zero <= 1;
     }
     free(plans);
     free(place);
@@ -306,15 +310,16 @@ static dsk_plan_flops tpl_stage_flops(const tm_config *c, const tp_state *ps) {
 
 /* The memory of rank (tp 0, dp 0, pp stage) of layout l for a model of configuration `base`
    (train_moe's model_config), at each ZeRO stage and moments' dtype (l->zero and l->moments
-   aside; index tpl_variant): mem[], and the bytes its reductions and gathers hand over per step
-   (zo: the engine's compression); *send: its pipeline sends' bytes per step; ep_bytes: its MoE
-   layers' dispatch and combine bytes per step (tpl_ep_bytes); tp: its tensor-parallel collectives
-   per step (tpl_tp_traffic: bytes by kind, calls); *flops: its layers' FLOPs per token
-   (tpl_stage_flops). cuda: size the MoE workspace as a GPU holds it. A layout the trainer refuses
-   (its checks in tm_init / tp_model_init) is DSK_ERR_UNSUPPORTED with the trainer's message. */
+   aside; index tpl_variant): mem[], the bytes its reductions and gathers hand over per step
+   (zo: the engine's compression) and link[]: what they put on the rank's link (dsk_plan_model.memory's);
+   *send: its pipeline sends' bytes per step; ep_bytes: its MoE layers' dispatch and combine bytes per step
+   (tpl_ep_bytes); tp: its tensor-parallel collectives per step (tpl_tp_traffic: bytes by kind, calls);
+   *flops: its layers' FLOPs per token (tpl_stage_flops). cuda: size the MoE workspace as a GPU holds it. A
+   layout the trainer refuses (its checks in tm_init / tp_model_init) is DSK_ERR_UNSUPPORTED with the trainer's
+   message. */
 static dsk_status tpl_rank(const tm_config *base, const tz_opts *zo, int cuda, const dsk_plan_layout *l,
                            const dsk_plan_job *job, int stage, dsk_plan_memory mem[TPL_VARIANTS],
-                           double reduce[TPL_VARIANTS], double gather[TPL_VARIANTS], int reduce_all[TPL_VARIANTS],
+                           double reduce[TPL_VARIANTS], double gather[TPL_VARIANTS], double link[TPL_VARIANTS],
                            double *send, double ep_bytes[2], double tp[TP_TRAFFIC], dsk_plan_flops *flops) {
     tm_config c = *base;
     int64_t acts = 0, live0 = dsk_tensor_mem_stats(dsk_cpu()).live_bytes, T;
@@ -343,8 +348,7 @@ static dsk_status tpl_rank(const tm_config *base, const tz_opts *zo, int cuda, c
     }
     memset(mem, 0, TPL_VARIANTS * sizeof *mem);
     for (int k = 0; k < TPL_VARIANTS && s == DSK_OK; k++)
-        s = tpl_engine(m, ps, l, zo, k % 4, k < 4 ? DSK_F32 : DSK_BF16, &mem[k], &reduce[k], &gather[k],
-                       &reduce_all[k]);
+        s = tpl_engine(m, ps, l, zo, k % 4, k < 4 ? DSK_F32 : DSK_BF16, &mem[k], &reduce[k], &gather[k], &link[k]);
     T = (int64_t)(par ? ps->Bm : m->cfg.batch) * m->cfg.seq; /* tm_bind_moe's reservation */
     *send = s == DSK_OK ? tpl_send_bytes(ps) : 0;
     memset(flops, 0, sizeof *flops);

@@ -10,7 +10,9 @@
 #   3. 4 ranks on 3 cores: pp2 1F1B with 8 micro-batches (a bubble of at most 1/8 of the compute) is work-bound as well;
 #      with 2 micro-batches (at most 1/2) the critical path is the longer: the step is the
 #      one-device-per-rank step, shared cores 0.
-#   4. Bad input: "cores_per_node" -1, 2.5 or "two" fails naming the field.
+#   4. Bad input: "cores_per_node" -1, 2.5 or "two", "link_wait" 2 or -1 fail naming the field.
+#   4b. "link_wait": 1 (a link whose time is a wait, a network card or dsk_comm's emulated link): the busy work is
+#      compute and the optimizer alone, 4 (compute + optimizer) / 2, never below the one-device-per-rank step.
 #   5. The optimizer step's bytes per element it updates: f32 weights 32 (the gradient read twice,
 #      both moments and the weight read and written: 4x the optimizer state, 8/3 of it at ZeRO-3, whose
 #      state counts the weights' shard), bf16 weights 34 (an f32 master read and written, the weight
@@ -73,20 +75,22 @@ bytes() {
         sed -nE 's/^plan bytes, rank 0: .*optimizer state ([0-9]+),.*optimizer step ([0-9]+)$/\1 \2/p'
 }
 # expect NAME CORES LABEL FLAGS...: the step equals max(path, 4 busy / CORES) (CORES 0: path), within
-# the 6 printed decimals of up to 7 parts (4 / CORES times their 5e-7 each, and the step's own)
+# the 6 printed decimals of up to 7 parts (4 / CORES times their 5e-7 each, and the step's own); busy is
+# compute, communication and optimizer, or with WAIT=1 (the cluster's link_wait) compute and optimizer
 expect() {
     local name=$1 cores=$2 label=$3 p verdict
     shift 3
     p=$(parts "$name" "$@")
     verdict=$(
-        "$PY" - "$cores" $p <<'EOF'
+        "$PY" - "$cores" "${WAIT:-0}" $p <<'EOF'
 import sys
-c = int(sys.argv[1])
-if len(sys.argv) != 14:
+c, wait = int(sys.argv[1]), int(sys.argv[2])
+if len(sys.argv) != 15:
     print("no plan time line"); sys.exit()
-step, comp, bub, tp, ep, pp, grad, exp, opt, cores, hid, mean = map(float, sys.argv[2:])
+step, comp, bub, tp, ep, pp, grad, exp, opt, cores, hid, mean = map(float, sys.argv[3:])
 path = comp + bub + tp + ep - hid + pp + exp + opt
-want = max(path, 4 * (mean + tp + ep + pp + grad + opt) / c) if c and c < 4 else path
+comm = 0 if wait else tp + ep + pp + grad
+want = max(path, 4 * (mean + comm + opt) / c) if c and c < 4 else path
 ok = abs(step - want) <= 8e-6 and abs(cores - (want - path)) <= 8e-6
 print("ok" if ok else f"step {step} (shared cores {cores}), want {want:.6f} (path {path:.6f})")
 EOF
@@ -108,6 +112,23 @@ for l in "--zero 0" "--zero 3" "--tp 4" "--ep 2 --zero 1"; do
     # shellcheck disable=SC2086
     expect two 2 "4 ranks on 2 cores, $l: work-bound, 4 (compute + all comm) / 2" $l
 done
+# a link whose time is a wait: a slow one makes the step path-bound, a fast one leaves it work-bound
+cluster wait_slow '"cores_per_node": 2, "link_wait": 1' && sed -i -E 's/"intra_node_gbps": [0-9.]+/"intra_node_gbps": 0.05/' \
+    "$work/wait_slow.json"
+cluster wait_fast '"cores_per_node": 2, "link_wait": 1'
+for l in "--zero 0" "--tp 4" "--ep 2 --zero 1" "--pp 2 --micro-batches 4"; do
+    # shellcheck disable=SC2086
+    WAIT=1 expect wait_slow 2 "4 ranks on 2 cores, link_wait 1 at 0.05 GB/s, $l: the links' time is no core's" $l
+    # shellcheck disable=SC2086
+    WAIT=1 expect wait_fast 2 "4 ranks on 2 cores, link_wait 1 at the file's link, $l: the links' time is no core's" $l
+done
+s0=$(parts wait_slow --tp 4 | cut -d' ' -f10)
+s1=$(parts wait_fast --tp 4 | cut -d' ' -f10)
+if "$PY" -c "import sys; sys.exit(not (float('$s0') == 0 and float('$s1') > 0))" 2>/dev/null; then
+    ok "link_wait 1, tp4: path-bound on the slow link (shared cores 0), work-bound on the fast one ($s1 s)"
+else
+    bad "link_wait 1, tp4: both bounds" "shared cores on the slow link '$s0' (want 0), the fast '$s1' (want > 0)"
+fi
 expect three 3 "4 ranks on 3 cores, pp2 1F1B m8: work-bound (a bubble of at most 1/8 given away)" --pp 2 --micro-batches 8
 expect three 3 "4 ranks on 3 cores, pp2 1F1B m2: path-bound (a bubble of at most 1/2), the one-device-per-rank step" --pp 2 \
     --micro-batches 2
@@ -121,18 +142,19 @@ fi
 
 # 6. the bubble: the schedule's lists timed with each stage's own times (dsk_par_schedule_time; tests/test_par.c
 # checks that timing), less the pace stage's busy time
-for l in "2 4 1f1b 1" "4 4 1f1b 1" "4 1 1f1b 1" "4 2 gpipe 1" "2 4 interleaved 2"; do
-    read -r pp m sched v <<<"$l"
+# (with tensor parallelism each stage's collectives are in its passes, half of them forward, like its compute)
+for l in "2 4 1f1b 1 1" "4 4 1f1b 1 1" "4 1 1f1b 1 1" "4 2 gpipe 1 1" "2 4 interleaved 2 1" "2 2 1f1b 1 2"; do
+    read -r pp m sched v tp <<<"$l"
     "$PLAN" --device cpu --cluster "$work/none.json" --check-rank 0 --nproc 4 "${SMALL[@]}" --pp "$pp" \
-        --micro-batches "$m" --pp-schedule "$sched" --virtual-stages "$v" >"$work/pipe.out" 2>&1
+        --micro-batches "$m" --pp-schedule "$sched" --virtual-stages "$v" --tp "$tp" >"$work/pipe.out" 2>&1
     if why=$("$PY" - "$work/pipe.out" "$pp" "$m" "$sched" "$v" <<'PYX'
 import re, sys
 out, p, m, sched, v = open(sys.argv[1]).read(), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-t = re.search(r"^plan time: step \S+ s: compute (\S+), bubble (\S+), tp \S+, ep (\S+),", out, re.M)
+t = re.search(r"^plan time: step \S+ s: compute (\S+), bubble (\S+), tp (\S+), ep (\S+),", out, re.M)
 q = re.search(r"^plan pipeline: (\S+) s; forward, backward of a micro-batch chunk by stage: (.*)$", out, re.M)
 if not t or not q:
     sys.exit("no plan time or pipeline line: " + out[-300:])
-comp, bub, ep = (float(x) for x in t.groups())
+comp, bub, tp, ep = (float(x) for x in t.groups())
 pipe, x = float(q.group(1)), [float(y) for y in q.group(2).split()]
 f, b = x[0::2], x[1::2]
 rank = [v * m * (f[s] + b[s]) for s in range(p)]  # a rank's chunks alike: its busy time
@@ -140,12 +162,14 @@ pace = max(range(p), key=lambda s: rank[s])
 bad = []
 if len(f) != p * v:
     bad.append("%d stages' times for %d stages" % (len(f), p * v))
-if abs(rank[pace] - (comp + ep)) > 2e-6:
-    bad.append("the pace stage's busy %.6f != compute + ep %.6f" % (rank[pace], comp + ep))
-if any(abs(f[s] / (f[s] + b[s]) - 1 / 3) > 1e-6 for s in range(p * v)):
-    bad.append("forward shares %s, want 1/3 (no recomputation, no exchanges)" % [f[s] / (f[s] + b[s]) for s in range(p)])
-if abs(bub - (pipe - comp - ep)) > 3e-6:
-    bad.append("bubble %.6f != pipeline %.6f - compute %.6f - ep %.6f" % (bub, pipe, comp, ep))
+if abs(rank[pace] - (comp + ep + tp)) > 2e-6:
+    bad.append("the pace stage's busy %.6f != compute + ep + tp %.6f" % (rank[pace], comp + ep + tp))
+tc = tp / (v * m)  # a chunk's collectives, every stage's the busiest's (tp printed to 6 decimals: 5e-7)
+if any(abs(f[s] - ((f[s] + b[s] - tc) / 3 + tc / 2)) > 1e-6 for s in range(p * v)):
+    bad.append("forwards %s, want a third of the compute and half the collectives (no recomputation, no exchanges)"
+               % f)
+if abs(bub - (pipe - comp - ep - tp)) > 3e-6:
+    bad.append("bubble %.6f != pipeline %.6f - compute %.6f - ep %.6f - tp %.6f" % (bub, pipe, comp, ep, tp))
 # The pace stage's first forward waits for the stages before it to run it, and after its last backward they run
 # that one: pipe >= their forward and backward + the pace stage's busy time. Under 1F1B and GPipe every stage at
 # the pace stage's times gives the formula, and a faster stage makes no wait longer: pipe <= (1 + (p - 1) / m) x
@@ -154,13 +178,14 @@ lo = sum(f[s] + b[s] for s in range(pace)) + rank[pace] if v == 1 else rank[pace
 hi = (1 + (p - 1) / m) * rank[pace] if sched != "interleaved" else float("inf")
 if not lo - 2e-6 <= pipe <= hi + 2e-6:
     bad.append("pipeline %.6f outside [%.6f, %.6f]" % (pipe, lo, hi))
-print("; ".join(bad) if bad else "pipeline %.6f in [%.6f, %.6f], bubble %.6f = it - compute - ep" % (pipe, lo, hi, bub))
+print("; ".join(bad) if bad else "pipeline %.6f in [%.6f, %.6f], bubble %.6f = it - compute - ep - tp %.6f" %
+      (pipe, lo, hi, bub, tp))
 sys.exit(1 if bad else 0)
 PYX
     ); then
-        ok "bubble: pp$pp m$m $sched v$v: $why"
+        ok "bubble: pp$pp m$m $sched v$v tp$tp: $why"
     else
-        bad "bubble: pp$pp m$m $sched v$v" "$why"
+        bad "bubble: pp$pp m$m $sched v$v tp$tp" "$why"
     fi
 done
 
@@ -286,6 +311,15 @@ for v in -1 2.5 '"two"'; do
         ok "bad input: \"cores_per_node\": $v fails naming the field ($(echo "$out" | grep -m1 cores_per_node | cut -c1-90))"
     else
         bad "bad input: \"cores_per_node\": $v" "want a failure naming the field: $(echo "$out" | head -2)"
+    fi
+done
+for v in 2 -1; do
+    cluster "bad" "\"link_wait\": $v"
+    out=$("$PLAN" --device cpu --cluster "$work/bad.json" --check-rank 0 --nproc 4 "${SMALL[@]}" 2>&1)
+    if [ $? -ne 0 ] && echo "$out" | grep -q '"link_wait"'; then
+        ok "bad input: \"link_wait\": $v fails naming the field ($(echo "$out" | grep -m1 link_wait | cut -c1-90))"
+    else
+        bad "bad input: \"link_wait\": $v" "want a failure naming the field: $(echo "$out" | head -2)"
     fi
 done
 finish

@@ -1,8 +1,9 @@
 /* test_plan_time.c - dsk_plan.h's pipeline timing: dsk_plan_stage_times (each stage's forward and backward of a
-   micro-batch chunk), dsk_plan_stages (the pace stage, the schedule's lists timed) and dsk_plan_time's bubble,
-   against the same quantities computed here from the cluster's figures and dsk_par_schedule_time (which
-   tests/test_par.c checks), on random stage FLOPs; and dsk_plan_time refusing a pipeline without its stages'
-   times. tests/test_plan_cores.sh checks the same through dsk_plan --check-rank on the trainer's model. */
+   micro-batch chunk, its tensor-parallel collectives inside), dsk_plan_stages (the pace stage, the schedule's
+   lists timed) and dsk_plan_time's bubble, against the same quantities computed here from the cluster's figures
+   and dsk_par_schedule_time (which tests/test_par.c checks), on random stage FLOPs and tensor-parallel traffic;
+   and dsk_plan_time refusing a pipeline without its stages' times. tests/test_plan_cores.sh checks the same
+   through dsk_plan --check-rank on the trainer's model. */
 #include "dsk_plan.h"
 #include "tests/dsk_test.h"
 
@@ -48,11 +49,21 @@ static double ep_s(const dsk_plan_cluster *c, const dsk_plan_job *job, const dsk
     return l->ep < 2 ? 0 : l->micro * (bytes / (1e9 * c->intra_gbps) + 4 * L * 1e-6 * c->intra_latency_us);
 }
 
+/* A rank's tensor-parallel collectives: each kind's bytes, (tp - 1) / tp of them (twice for an all-reduce) over
+   the intra-node link (tp <= 8 here), and a latency a call. */
+static double tp_s(const dsk_plan_cluster *c, const dsk_plan_layout *l, const dsk_plan_tp *tp) {
+    double share = (l->tp - 1.0) / l->tp;
+    return share * (2 * tp->all_reduce + tp->all_gather + tp->reduce_scatter) / (1e9 * c->intra_gbps) +
+           tp->calls * 1e-6 * c->intra_latency_us;
+}
+
 static void check_layout(const dsk_plan_cluster *c, const dsk_plan_model *m, dsk_plan_layout l, const char *what) {
     dsk_plan_job job = {64, 4096};
     dsk_plan_flops st[8];
     dsk_plan_result r;
-    double f[64], b[64], want_f[64], want_b[64], busy[8], pipe = 0, slowest = -1;
+    dsk_plan_tp tp = {dsk_test_rand(1e7, 1e9), dsk_test_rand(1e7, 1e9), dsk_test_rand(1e7, 1e9),
+                      (double)(int)dsk_test_rand(10, 400)};
+    double f[64], b[64], want_f[64], want_b[64], busy[8], pipe = 0, slowest = -1, t = tp_s(c, &l, &tp);
     int p = l.pp, v = l.vstages, pace = 0, S = p * v;
     for (int s = 0; s < p; s++) { /* random stages, the MoE layers spread over the later ones */
         st[s].total = m->flops_per_token / p * dsk_test_rand(0.6, 1.4);
@@ -64,8 +75,8 @@ static void check_layout(const dsk_plan_cluster *c, const dsk_plan_model *m, dsk
         dsk_plan_layout plain = l;
         double e = ep_s(c, &job, m, &l, st[s].moe_layers), fw;
         plain.recompute = DSK_PLAN_RECOMPUTE_NONE;
-        busy[s] = compute_s(c, &job, &l, &st[s], 1) + e;
-        fw = compute_s(c, &job, &plain, &st[s], 0) / 3 + e / 2;
+        busy[s] = compute_s(c, &job, &l, &st[s], 1) + e + t;
+        fw = compute_s(c, &job, &plain, &st[s], 0) / 3 + (e + t) / 2;
         for (int k = 0; k < v; k++) {
             want_f[k * p + s] = fw / (l.micro * v);
             want_b[k * p + s] = (busy[s] - fw) / (l.micro * v);
@@ -73,7 +84,7 @@ static void check_layout(const dsk_plan_cluster *c, const dsk_plan_model *m, dsk
         if (busy[s] > slowest) slowest = busy[s], pace = s;
     }
     for (int i = 0; i < S; i++) f[i] = b[i] = -1;
-    dsk_plan_stage_times(m, c, &job, &l, st, f, b);
+    dsk_plan_stage_times(m, c, &job, &l, &tp, st, f, b);
     for (int i = 0; i < S; i++)
         DSK_TEST_EXPECT(fabs(f[i] - want_f[i]) <= 1e-12 * want_f[i] && fabs(b[i] - want_b[i]) <= 1e-12 * want_b[i],
                         "%s: stage %d forward %.9g backward %.9g s, want %.9g %.9g", what, i, f[i], b[i], want_f[i],
@@ -85,15 +96,17 @@ static void check_layout(const dsk_plan_cluster *c, const dsk_plan_model *m, dsk
     memset(&r, 0, sizeof r);
     r.layout = l;
     r.lead_moe_layers = st[0].moe_layers;
+    r.tp = tp;
     DSK_TEST_OK(dsk_plan_stages(m, c, &job, st, &r));
     DSK_TEST_EXPECT(fabs(r.pipe_s - pipe) <= 1e-12 * pipe, "%s: pipeline %.9g s, the lists timed here %.9g", what,
                     r.pipe_s, pipe);
     DSK_TEST_EXPECT(r.stage_flops.total == st[pace].total, "%s: pace stage %.6g FLOPs, want stage %d's %.6g", what,
                     r.stage_flops.total, pace, st[pace].total);
-    DSK_TEST_OK(dsk_plan_time(m, c, &job, 0, 0, 1, &r));
-    DSK_TEST_EXPECT(fabs(r.compute_s + r.ep_s - busy[pace]) <= 1e-12 * busy[pace],
-                    "%s: compute %.9g + ep %.9g s, the pace stage's busy time %.9g", what, r.compute_s, r.ep_s,
-                    busy[pace]);
+    DSK_TEST_OK(dsk_plan_time(m, c, &job, 0, &r));
+    DSK_TEST_EXPECT(fabs(r.compute_s + r.ep_s + r.tp_s - busy[pace]) <= 1e-12 * busy[pace] &&
+                        fabs(r.tp_s - t) <= 1e-12 * t,
+                    "%s: compute %.9g + ep %.9g + tp %.9g s (want %.9g), the pace stage's busy time %.9g", what,
+                    r.compute_s, r.ep_s, r.tp_s, t, busy[pace]);
     DSK_TEST_EXPECT(fabs(r.bubble_s - (pipe - busy[pace])) <= 1e-9 * pipe && r.bubble_s >= 0,
                     "%s: bubble %.9g s, want the pipeline %.9g less the pace stage's %.9g", what, r.bubble_s, pipe,
                     busy[pace]);
@@ -133,7 +146,7 @@ static void test_no_pipeline(void) {
     DSK_TEST_OK(dsk_plan_stages(&m, &c, &job, &st, &r));
     DSK_TEST_EXPECT(r.pipe_s == 0 && r.stage_flops.total == 0, "pp 1: pipeline %g s, pace %g FLOPs", r.pipe_s,
                     r.stage_flops.total);
-    DSK_TEST_OK(dsk_plan_time(&m, &c, &job, 0, 0, 1, &r));
+    DSK_TEST_OK(dsk_plan_time(&m, &c, &job, 0, &r));
     DSK_TEST_EXPECT(r.bubble_s == 0 && r.compute_s > 0, "pp 1: bubble %g s, compute %g s", r.bubble_s, r.compute_s);
 }
 
@@ -146,7 +159,7 @@ static void test_time_without_stages(void) {
     memset(&r, 0, sizeof r);
     r.layout = layout(4, 8, 1, DSK_PAR_1F1B, DSK_PLAN_RECOMPUTE_NONE, 1);
     r.step_s = -3;
-    DSK_TEST_STATUS(dsk_plan_time(&m, &c, &job, 0, 0, 1, &r), DSK_ERR_ARG);
+    DSK_TEST_STATUS(dsk_plan_time(&m, &c, &job, 0, &r), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("pipeline of 4 stages without its stages' times (dsk_plan_stages first)");
     DSK_TEST_EXPECT(r.step_s == -3, "a refused call wrote step %g", r.step_s);
 }
