@@ -5,7 +5,7 @@
 #      per token, dsk_plan's count, over min(4, cores) cores: 4 ranks on fewer cores share them, which
 #      the time model knows; the model's own gradient reduction and optimizer step for that run taken
 #      out first) its bf16_tflops at efficiency 1, written with the assumed links and memory_gbps to
-#      bench/plan_cpu_calibrated.json (the command and figures go to bench/RESULTS.md by hand).
+#      CALIBRATED [bench/plan_cpu_calibrated.json] (the command and figures go to bench/RESULTS.md by hand).
 #   2. Ranking: 8 layouts at 4 ranks, each trained for STEPS steps in ROUNDS alternating rounds in
 #      the same run, the median of the rounds' median steps against the plan's predicted step
 #      (dsk_plan --check-rank) with the calibrated cluster and with it as one device per rank;
@@ -14,7 +14,12 @@
 # FIELD=cpu_ms measures rank 0's CPU time per step instead of its wall time (the JSON log's cpu_ms):
 # other processes' load then stops counting, but so does any wait that sleeps (a pipeline bubble, a
 # blocked collective), which the plan's step time includes; neither is right on a shared machine.
-# Usage: [FIELD=ms|cpu_ms] [STEPS=12] [ROUNDS=3] bash bench/plan_rank.sh [BUILD]   (default build, FIELD ms)
+# LINK_GBPS=G [LINK_US=U]: the ranking's runs on dsk_comm's emulated link (DSK_LINK_GBPS, DSK_LINK_LATENCY_US [100]),
+# predicted with the calibrated cluster's intra-node link set to it and "link_wait": 1 (its time a wait, no core's);
+# the calibration runs without it.
+# tests/test_plan_rank.sh runs it on the emulated link, one round, into a file of its own.
+# Usage: [FIELD=ms|cpu_ms] [STEPS=12] [ROUNDS=3] [LINK_GBPS=G [LINK_US=U]] [CALIBRATED=FILE]
+#        bash bench/plan_rank.sh [BUILD]
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -23,8 +28,10 @@ PLAN=$BUILD/examples/dsk_plan
 STEPS=${STEPS:-12}
 ROUNDS=${ROUNDS:-3}
 FIELD=${FIELD:-ms}
+CALIBRATED=${CALIBRATED:-bench/plan_cpu_calibrated.json}
 case $FIELD in ms | cpu_ms) ;; *) echo "FIELD=$FIELD: ms or cpu_ms" >&2; exit 2 ;; esac
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
+unset DSK_LINK_GBPS DSK_LINK_LATENCY_US
 make --no-print-directory -s BUILD="$BUILD" "$BIN" "$PLAN" || exit 1
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -50,19 +57,30 @@ other=$("$PLAN" --device cpu --cluster examples/clusters/cpu_8.json --check-rank
     sed -nE 's/^plan time: .*, gradients ([0-9.]+) \(exposed [0-9.]+\), optimizer ([0-9.]+),.*/\1 + \2/p')
 tflops=$(python3 -c "print(f'{16*64*$fpt/(min(4,$cores)*$ms*1e-3 - 4*(${other:-0}))/1e12:.6g}')")
 sed -E "s/\"bf16_tflops\": [0-9.e+-]+/\"bf16_tflops\": $tflops/; s/\"fp8_tflops\": [0-9.e+-]+/\"fp8_tflops\": $tflops/;
-        s/\"cores_per_node\": [0-9]+/\"cores_per_node\": $cores/" examples/clusters/cpu_8.json >bench/plan_cpu_calibrated.json
+        s/\"cores_per_node\": [0-9]+/\"cores_per_node\": $cores/" examples/clusters/cpu_8.json >"$CALIBRATED"
 echo "calibration: 4 ranks (dp) on $cores cores, median step $ms ms ($FIELD), $fpt FLOPs/token x 1024 tokens:" \
     "$tflops TFLOP/s per core" \
-    "-> bench/plan_cpu_calibrated.json"
+    "-> $CALIBRATED"
 # 2. ranking at 4 ranks: ROUNDS rounds, each running every layout in turn (a change of the machine's
 #    load then falls on every layout alike), the median of a layout's rounds against its predicted
 #    step with the calibrated cluster and with the same one as one device per rank (cores_per_node
 #    0, the rate per rank the calibration run measured)
 LAYOUTS=("--zero 0" "--zero 1" "--zero 3" "--ep 2 --zero 1" "--tp 2" "--tp 4" "--pp 2 --micro-batches 4"
          "--tp 2 --pp 2 --micro-batches 2")
+cp "$CALIBRATED" "$work/shared.json"
+if [ -n "${LINK_GBPS:-}" ]; then
+    export DSK_LINK_GBPS=$LINK_GBPS DSK_LINK_LATENCY_US=${LINK_US:-100}
+    python3 - "$work/shared.json" "$DSK_LINK_GBPS" "$DSK_LINK_LATENCY_US" <<'EOF'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c.update(intra_node_gbps=float(sys.argv[2]), intra_node_latency_us=float(sys.argv[3]), link_wait=1)
+json.dump(c, open(sys.argv[1], "w"), indent=4)
+EOF
+    echo "ranking on an emulated link of $DSK_LINK_GBPS GB/s and $DSK_LINK_LATENCY_US us a call (link_wait 1)"
+fi
 sed -E "s/\"cores_per_node\": [0-9]+/\"cores_per_node\": 0/;
         s/_tflops\": [0-9.e+-]+/_tflops\": $(python3 -c "print(f'{$tflops*min(4,$cores)/4:.6g}')")/" \
-    bench/plan_cpu_calibrated.json >"$work/device.json"
+    "$work/shared.json" >"$work/device.json"
 for ((r = 0; r < ROUNDS; r++)); do
     for i in "${!LAYOUTS[@]}"; do
         # shellcheck disable=SC2086
@@ -80,7 +98,7 @@ printf '%-36s %14s %14s %14s\n' layout "measured $FIELD" "shared cores" "device/
 : >"$work/pairs"
 for i in "${!LAYOUTS[@]}"; do
     m=$(sort -g "$work/$i.ms" | sed -n "$(((ROUNDS + 1) / 2))p")
-    p=$(predict bench/plan_cpu_calibrated.json "${LAYOUTS[$i]}")
+    p=$(predict "$work/shared.json" "${LAYOUTS[$i]}")
     q=$(predict "$work/device.json" "${LAYOUTS[$i]}")
     printf '%-36s %14s %14.3f %14.3f   rounds: %s\n' "${LAYOUTS[$i]}" "$m" "$(python3 -c "print($p*1e3)")" \
         "$(python3 -c "print($q*1e3)")" "$(tr '\n' ' ' <"$work/$i.ms")"

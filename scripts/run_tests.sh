@@ -32,7 +32,7 @@ ISA_PROGS=${ISA_PROGS-test_amp test_moe test_par test_zero}
 ISA_SCRIPTS=${ISA_SCRIPTS-test_par_train.sh test_zero_train.sh}
 ISA_SCRIPT_ISAS=${ISA_SCRIPT_ISAS-avx2}
 
-LANE=${LANE-test_par_train.sh test_comm test_fp8_train.sh test_fp8_comm.sh test_plan.sh test_train_graph.sh test_hf.sh}
+LANE=${LANE-test_par_train.sh test_comm test_fp8_train.sh test_fp8_comm.sh test_plan.sh test_plan_rank.sh test_train_graph.sh test_hf.sh}
 lane=$(mktemp -d)
 lane_n=0 lane_pid=
 trap 'rm -rf "$log" "$cov" "$lane"' EXIT
