@@ -10,16 +10,19 @@
 #      the same run, the median of the rounds' median steps against the plan's predicted step
 #      (dsk_plan --check-rank) with the calibrated cluster and with it as one device per rank;
 #      prints the orders and Kendall's tau of both (want >= 0.6).
-# Not in `make test`: about 2 minutes on an idle 2-core machine, and a loaded one moves the order.
+# About 2 minutes on an idle 2-core machine, and a loaded one moves the order on shared memory;
+# tests/test_plan_rank.sh runs it in `make test` on the emulated link (LINK_GBPS below), one round.
 # FIELD=cpu_ms measures rank 0's CPU time per step instead of its wall time (the JSON log's cpu_ms):
 # other processes' load then stops counting, but so does any wait that sleeps (a pipeline bubble, a
 # blocked collective), which the plan's step time includes; neither is right on a shared machine.
+# CAL_FIELD=cpu_ms [FIELD]: the calibration alone from the ranks' CPU time (4 x rank 0's a step, the cores' time
+# they used), which a load of other programs does not stretch as it does the wall time; tests/test_plan_rank.sh
+# calibrates so on a machine that also builds and tests.
 # LINK_GBPS=G [LINK_US=U]: the ranking's runs on dsk_comm's emulated link (DSK_LINK_GBPS, DSK_LINK_LATENCY_US [100]),
 # predicted with the calibrated cluster's intra-node link set to it and "link_wait": 1 (its time a wait, no core's);
 # the calibration runs without it.
-# tests/test_plan_rank.sh runs it on the emulated link, one round, into a file of its own.
-# Usage: [FIELD=ms|cpu_ms] [STEPS=12] [ROUNDS=3] [LINK_GBPS=G [LINK_US=U]] [CALIBRATED=FILE]
-#        bash bench/plan_rank.sh [BUILD]
+# Usage: [FIELD=ms|cpu_ms] [CAL_FIELD=ms|cpu_ms] [STEPS=12] [ROUNDS=3] [LINK_GBPS=G [LINK_US=U]]
+#        [CALIBRATED=FILE] bash bench/plan_rank.sh [BUILD]
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -29,7 +32,9 @@ STEPS=${STEPS:-12}
 ROUNDS=${ROUNDS:-3}
 FIELD=${FIELD:-ms}
 CALIBRATED=${CALIBRATED:-bench/plan_cpu_calibrated.json}
-case $FIELD in ms | cpu_ms) ;; *) echo "FIELD=$FIELD: ms or cpu_ms" >&2; exit 2 ;; esac
+CAL_FIELD=${CAL_FIELD:-$FIELD}
+case $FIELD/$CAL_FIELD in ms/ms | ms/cpu_ms | cpu_ms/ms | cpu_ms/cpu_ms) ;;
+*) echo "FIELD=$FIELD, CAL_FIELD=$CAL_FIELD: ms or cpu_ms" >&2; exit 2 ;; esac
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 unset DSK_LINK_GBPS DSK_LINK_LATENCY_US
 make --no-print-directory -s BUILD="$BUILD" "$BIN" "$PLAN" || exit 1
@@ -38,27 +43,29 @@ trap 'rm -rf "$work"' EXIT
 MODEL=(--seq 64 --d-model 64 --heads 4 --layers 4 --dense-layers 1 --ffn-hidden 128 --experts 8 --top-k 2
        --expert-hidden 64 --shared 1 --batch 16 --data tests/data/corpus.txt --corpus-mb 0.5 --val-every 10
        --val-interval 1000 --val-batches 1 --sample-len 0 --peak-tflops 0.1)
-median_ms() { # the median FIELD of a run's steps after the first 2
+median_ms() { # the median of field $2 (default FIELD) of a run's steps after the first 2
     python3 -c 'import json,sys
 v=sorted(json.loads(l)[sys.argv[2]] for l in open(sys.argv[1]) if "\"type\":\"step\"" in l)
 v=v[2:] if len(v)>4 else v
-print(v[len(v)//2] if v else "nan")' "$1" "$FIELD"
+print(v[len(v)//2] if v else "nan")' "$1" "${2:-$FIELD}"
 }
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
 # 1. calibration
 "$BIN" "${MODEL[@]}" --nproc 4 --steps "$STEPS" --log "$work/cal.jsonl" >"$work/cal.out" 2>&1 ||
     { tail -3 "$work/cal.out"; exit 1; }
-ms=$(median_ms "$work/cal.jsonl")
+ms=$(median_ms "$work/cal.jsonl" "$CAL_FIELD")
 fpt=$("$PLAN" --device cpu --cluster examples/clusters/cpu_8.json --sequences 16 "${MODEL[@]}" --top 1 2>/dev/null |
     sed -nE 's/.*, ([0-9.e+]+) training FLOPs per token.*/\1/p')
 cores=$(getconf _NPROCESSORS_ONLN) # the machine's, as dsk_comm counts them (nproc follows OMP_NUM_THREADS)
 # a rank's busy time besides compute in that run, as the model prices it: the reduction and the optimizer step
 other=$("$PLAN" --device cpu --cluster examples/clusters/cpu_8.json --check-rank 0 --nproc 4 "${MODEL[@]}" |
     sed -nE 's/^plan time: .*, gradients ([0-9.]+) \(exposed [0-9.]+\), optimizer ([0-9.]+),.*/\1 + \2/p')
-tflops=$(python3 -c "print(f'{16*64*$fpt/(min(4,$cores)*$ms*1e-3 - 4*(${other:-0}))/1e12:.6g}')")
+# the cores' seconds the 4 ranks' step took: the shared cores' wall time, or the ranks' CPU time (alike)
+core_s=$(python3 -c "print(($([ "$CAL_FIELD" = cpu_ms ] && echo 4 || echo "min(4,$cores)")) * $ms * 1e-3)")
+tflops=$(python3 -c "print(f'{16*64*$fpt/($core_s - 4*(${other:-0}))/1e12:.6g}')")
 sed -E "s/\"bf16_tflops\": [0-9.e+-]+/\"bf16_tflops\": $tflops/; s/\"fp8_tflops\": [0-9.e+-]+/\"fp8_tflops\": $tflops/;
         s/\"cores_per_node\": [0-9]+/\"cores_per_node\": $cores/" examples/clusters/cpu_8.json >"$CALIBRATED"
-echo "calibration: 4 ranks (dp) on $cores cores, median step $ms ms ($FIELD), $fpt FLOPs/token x 1024 tokens:" \
+echo "calibration: 4 ranks (dp) on $cores cores, median step $ms ms ($CAL_FIELD), $fpt FLOPs/token x 1024 tokens:" \
     "$tflops TFLOP/s per core" \
     "-> $CALIBRATED"
 # 2. ranking at 4 ranks: ROUNDS rounds, each running every layout in turn (a change of the machine's
