@@ -304,22 +304,17 @@ else
     bad "optimizer time" "'$o10' s for $step bytes at '$gbps' GB/s; without the field '$o0' (want 0)"
 fi
 
-for v in -1 2.5 '"two"'; do
-    cluster "bad" "\"cores_per_node\": $v"
+# refused FIELD VALUE: a cluster with "FIELD": VALUE fails naming the field
+refused() {
+    local out
+    cluster "bad" "\"$1\": $2"
     out=$("$PLAN" --device cpu --cluster "$work/bad.json" --check-rank 0 --nproc 4 "${SMALL[@]}" 2>&1)
-    if [ $? -ne 0 ] && echo "$out" | grep -q '"cores_per_node"'; then
-        ok "bad input: \"cores_per_node\": $v fails naming the field ($(echo "$out" | grep -m1 cores_per_node | cut -c1-90))"
+    if [ $? -ne 0 ] && echo "$out" | grep -q "\"$1\""; then
+        ok "bad input: \"$1\": $2 fails naming the field ($(echo "$out" | grep -m1 "$1" | cut -c1-90))"
     else
-        bad "bad input: \"cores_per_node\": $v" "want a failure naming the field: $(echo "$out" | head -2)"
+        bad "bad input: \"$1\": $2" "want a failure naming the field: $(echo "$out" | head -2)"
     fi
-done
-for v in 2 -1; do
-    cluster "bad" "\"link_wait\": $v"
-    out=$("$PLAN" --device cpu --cluster "$work/bad.json" --check-rank 0 --nproc 4 "${SMALL[@]}" 2>&1)
-    if [ $? -ne 0 ] && echo "$out" | grep -q '"link_wait"'; then
-        ok "bad input: \"link_wait\": $v fails naming the field ($(echo "$out" | grep -m1 link_wait | cut -c1-90))"
-    else
-        bad "bad input: \"link_wait\": $v" "want a failure naming the field: $(echo "$out" | head -2)"
-    fi
-done
+}
+for v in -1 2.5 '"two"'; do refused cores_per_node "$v"; done
+for v in 2 -1; do refused link_wait "$v"; done
 finish
