@@ -33,8 +33,9 @@ ROUNDS=${ROUNDS:-3}
 FIELD=${FIELD:-ms}
 CALIBRATED=${CALIBRATED:-bench/plan_cpu_calibrated.json}
 CAL_FIELD=${CAL_FIELD:-$FIELD}
-case $FIELD/$CAL_FIELD in ms/ms | ms/cpu_ms | cpu_ms/ms | cpu_ms/cpu_ms) ;;
-*) echo "FIELD=$FIELD, CAL_FIELD=$CAL_FIELD: ms or cpu_ms" >&2; exit 2 ;; esac
+for f in "$FIELD" "$CAL_FIELD"; do
+    case $f in ms | cpu_ms) ;; *) echo "FIELD=$FIELD, CAL_FIELD=$CAL_FIELD: ms or cpu_ms" >&2; exit 2 ;; esac
+done
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 unset DSK_LINK_GBPS DSK_LINK_LATENCY_US
 make --no-print-directory -s BUILD="$BUILD" "$BIN" "$PLAN" || exit 1
@@ -60,9 +61,9 @@ cores=$(getconf _NPROCESSORS_ONLN) # the machine's, as dsk_comm counts them (npr
 # a rank's busy time besides compute in that run, as the model prices it: the reduction and the optimizer step
 other=$("$PLAN" --device cpu --cluster examples/clusters/cpu_8.json --check-rank 0 --nproc 4 "${MODEL[@]}" |
     sed -nE 's/^plan time: .*, gradients ([0-9.]+) \(exposed [0-9.]+\), optimizer ([0-9.]+),.*/\1 + \2/p')
-# the cores' seconds the 4 ranks' step took: the shared cores' wall time, or the ranks' CPU time (alike)
-core_s=$(python3 -c "print(($([ "$CAL_FIELD" = cpu_ms ] && echo 4 || echo "min(4,$cores)")) * $ms * 1e-3)")
-tflops=$(python3 -c "print(f'{16*64*$fpt/($core_s - 4*(${other:-0}))/1e12:.6g}')")
+# the cores the 4 ranks' step kept busy: the shared cores over its wall time, or the 4 ranks over their CPU time
+busy=$([ "$CAL_FIELD" = cpu_ms ] && echo 4 || echo "min(4,$cores)")
+tflops=$(python3 -c "print(f'{16*64*$fpt/($busy*$ms*1e-3 - 4*(${other:-0}))/1e12:.6g}')")
 sed -E "s/\"bf16_tflops\": [0-9.e+-]+/\"bf16_tflops\": $tflops/; s/\"fp8_tflops\": [0-9.e+-]+/\"fp8_tflops\": $tflops/;
         s/\"cores_per_node\": [0-9]+/\"cores_per_node\": $cores/" examples/clusters/cpu_8.json >"$CALIBRATED"
 echo "calibration: 4 ranks (dp) on $cores cores, median step $ms ms ($CAL_FIELD), $fpt FLOPs/token x 1024 tokens:" \
