@@ -151,7 +151,10 @@ typedef struct dsk_comm_opts {
        out the rest after the real transfer, on the thread that made the call. The link is the
        rank's: its bytes leave one call after another whichever of the communicator and its splits
        (and whichever thread) sends them, so calls at once on two of them take the sum of their
-       times. [DSK_LINK_GBPS and DSK_LINK_LATENCY_US; 0: no emulation] (GB/s = 1e9 bytes/s) */
+       times. Where the world spans several nodes (host_id) the link is between them: only the
+       bytes to other nodes take it, and a communicator within one node does not use it (shared
+       memory there, as NVLink between a node's GPUs); on one node every byte does.
+       [DSK_LINK_GBPS and DSK_LINK_LATENCY_US; 0: no emulation] (GB/s = 1e9 bytes/s) */
     double link_gbps, link_latency_us;
 } dsk_comm_opts;
 
@@ -1018,6 +1021,30 @@ struct dsk__comm_impl {
     void *nccl_flag;             /* one device float for barriers */
 #endif
 };
+
+/* The sending side of a rank's emulated link: its bytes leave one after another, whichever of the rank's
+   communicators (and threads: dsk_zero reduces on its own) sends them, as through one network card. */
+struct dsk__comm_nic {
+    double free_at; /* when the bytes taken so far have left */
+    int refs;       /* the communicators sharing it */
+    int off_node;   /* the world spans nodes: only bytes to other nodes take the link (a node's ranks reach each other
+                       through shared memory, as a node's GPUs through NVLink), and a communicator within one node is
+                       off it */
+};
+
+/* Whether messages between c's rank and rank `peer` of c cross the emulated link: always within one node's
+   world; across nodes, those between nodes. */
+static int dsk__comm_peer_on_link(const dsk_comm *c, int peer) {
+    return !c->impl->nic || !c->impl->nic->off_node || c->impl->node_of[peer] != c->node;
+}
+
+/* Whether c's calls use the link: always within one node's world; across nodes, a communicator that spans them. */
+static int dsk__comm_on_link(const dsk_comm *c) { return !c->impl->nic || !c->impl->nic->off_node || c->n_nodes > 1; }
+
+/* The bytes c's calls have given the link: all it sent, or across nodes those to other nodes. */
+static uint64_t dsk__comm_link_sent(const dsk_comm *c) {
+    return c->impl->nic && c->impl->nic->off_node ? c->stats.bytes_sent_off_node : c->stats.bytes_sent;
+}
 
 static void *dsk__comm_scratch(dsk__comm_impl *m, size_t bytes) {
     if (bytes > m->scratch_bytes) {
@@ -2667,13 +2694,16 @@ static dsk_status dsk__comm_host_a2a_start(dsk_comm *c, const char *fn, const ch
     return DSK_OK;
 }
 
-/* When the begun exchange's whole receives would have crossed an emulated link: its start, the latency and the
-   bytes this rank has received in it at the link's rate (one link takes them one after another); 0 without one. */
-static double dsk__comm_landing_due(const dsk__comm_impl *m) {
+/* When the begun exchange's whole receives that crossed an emulated link would have crossed it: its start, the
+   latency and the bytes this rank has received over it at the link's rate (one link takes them one after another);
+   0 without one. */
+static double dsk__comm_landing_due(const dsk_comm *c) {
+    const dsk__comm_impl *m = c->impl;
     size_t got = 0;
     if (m->link_bps <= 0 && m->link_s <= 0) return 0;
     for (int i = 0; i < m->started_n; i++)
-        if (!m->ops[i].is_send && dsk__comm_io_finished(&m->ops[i])) got += m->ops[i].len;
+        if (!m->ops[i].is_send && dsk__comm_io_finished(&m->ops[i]) && dsk__comm_peer_on_link(c, m->ops[i].peer))
+            got += m->ops[i].len;
     return m->started_t0 + m->link_s + (m->link_bps > 0 ? (double)got / m->link_bps : 0);
 }
 
@@ -2685,22 +2715,22 @@ static dsk_status dsk__comm_host_progress(dsk_comm *c, const char *fn, int wait,
     for (;;) {
         int fresh = 0, left = 0, late = 0;
         int64_t bytes = dsk__comm_io_push(c, fn, m->ops, m->started_n, &st);
-        double due = dsk__comm_landing_due(m), now = dsk__comm_now();
+        double due = dsk__comm_landing_due(c), now = dsk__comm_now();
         if (bytes < 0) return dsk__comm_break(c, st);
         if (unsent) *unsent = (size_t)bytes;
         for (int i = 0; i < m->started_n; i++) {
             dsk__comm_io *op = &m->ops[i];
             if (op->is_send || op->told) continue;
             if (!dsk__comm_io_finished(op)) left++;
-            else if (now < due) late = 1;
+            else if (now < due && dsk__comm_peer_on_link(c, op->peer)) late = 1;
             else {
                 op->told = 1;
                 fresh++;
             }
         }
         if (!wait || fresh || !(left + late)) return DSK_OK;
-        if (late) { /* whole, and still on the emulated link */
-            dsk__comm_sleep_s(due - now);
+        if (late) { /* whole, and still on the emulated link; a receive still coming off the link may land first */
+            dsk__comm_sleep_s(left && due - now > 1e-4 ? 1e-4 : due - now);
             continue;
         }
         m->until_landed = 1;
@@ -2727,13 +2757,6 @@ static dsk_status dsk__comm_host_barrier(dsk_comm *c, const char *fn, double t0)
 #define DSK__COMM_EP_LEN 64 /* "ip port" of a rank's mesh listener, zero padded */
 
 typedef struct dsk__comm_hello { uint32_t magic; int32_t rank; uint64_t tag; } dsk__comm_hello;
-
-/* The sending side of a rank's emulated link: its bytes leave one after another, whichever of the rank's
-   communicators (and threads: dsk_zero reduces on its own) sends them, as through one network card. */
-struct dsk__comm_nic {
-    double free_at; /* when the bytes taken so far have left */
-    int refs;       /* the communicators sharing it */
-};
 
 /* Takes busy_s of the rank's link from t0 or when it frees, whichever is later; returns when those bytes have
    left. Without a link (nic NULL): t0 + busy_s. */
@@ -2776,7 +2799,7 @@ static dsk_status dsk__comm_link_setup(dsk_comm *c, const char *fn, const dsk_co
     DSK__TRY(dsk__comm_link_opt(fn, o ? o->link_latency_us : 0, "link_latency_us", "DSK_LINK_LATENCY_US", &us));
     c->impl->link_bps = 1e9 * gbps;
     c->impl->link_s = 1e-6 * us;
-    if (gbps > 0) {
+    if (gbps > 0 || us > 0) {
         dsk__comm_nic *nic = (dsk__comm_nic *)DSK_MALLOC(sizeof *nic);
         if (!nic) return dsk_set_error(DSK_ERR_OOM, "%s: the emulated link's state", fn);
         memset(nic, 0, sizeof *nic);
@@ -3397,6 +3420,7 @@ static dsk_status dsk__comm_world_nodes(dsk_comm *c, const char *fn, const dsk__
     }
     dsk__comm_set_nodes(c, same);
     DSK_FREE(same);
+    if (m->nic) m->nic->off_node = c->n_nodes > 1;
     if (!m->small_bytes) { /* one round for larger messages when TCP latency dominates */
         int all_shm = c->n_nodes == 1;
         for (int r = 0; r < n; r++) all_shm &= m->shm_ok[r];
@@ -3638,12 +3662,15 @@ DSK_API dsk_status dsk_comm_init_env(dsk_comm *c, const dsk_comm_opts *opts) {
    have crossed the link, after those the rank's other calls gave it first. */
 static void dsk__comm_link_wait(dsk_comm *c, double t0) {
     dsk__comm_impl *m = c->impl;
+    uint64_t sent = dsk__comm_link_sent(c);
     double until, left;
-    if (m->link_bps <= 0 && m->link_s <= 0) return;
-    until = m->link_s +
-            dsk__comm_nic_take(m->nic, t0,
-                               m->link_bps > 0 ? (double)(c->stats.bytes_sent - m->link_mark) / m->link_bps : 0);
-    m->link_mark = c->stats.bytes_sent;
+    if ((m->link_bps <= 0 && m->link_s <= 0) || !dsk__comm_on_link(c)) {
+        m->link_mark = sent;
+        return;
+    }
+    until =
+        m->link_s + dsk__comm_nic_take(m->nic, t0, m->link_bps > 0 ? (double)(sent - m->link_mark) / m->link_bps : 0);
+    m->link_mark = sent;
     if ((left = until - dsk__comm_now()) > 0) dsk__comm_sleep_s(left);
 }
 
@@ -4170,8 +4197,10 @@ static dsk_status dsk__comm_host_p2p_start(dsk_comm *c, const char *fn, void *bu
     op = &m->p2p[m->p2p_n];
     dsk__comm_io_post(op, peer, is_send, &h, buf, (size_t)count * dsk_dtype_size(dt));
     /* the emulated link: a send ends once its bytes have left after the rank's earlier ones, and the latency */
-    op->due = is_send && m->link_bps > 0 ? m->link_s + dsk__comm_nic_take(m->nic, t0, (double)op->len / m->link_bps)
-                                         : t0 + m->link_s;
+    if (!dsk__comm_peer_on_link(c, peer)) op->due = t0;
+    else
+        op->due = is_send && m->link_bps > 0 ? m->link_s + dsk__comm_nic_take(m->nic, t0, (double)op->len / m->link_bps)
+                                             : t0 + m->link_s;
     for (int i = m->p2p_n - 1; i >= 0 && op->after < 0; i--)
         if (m->p2p[i].peer == peer && m->p2p[i].is_send == is_send) op->after = i;
     m->p2p_n++;
@@ -4200,7 +4229,7 @@ static dsk_status dsk__comm_host_p2p_wait(dsk_comm *c, const char *fn, int64_t r
     if (all) {
         m->p2p_base += m->p2p_n;
         m->p2p_n = 0;
-        m->link_mark = c->stats.bytes_sent; /* the next call's emulated link counts its own bytes */
+        m->link_mark = dsk__comm_link_sent(c); /* the next call's emulated link counts its own bytes */
     }
     return DSK_OK;
 }

@@ -1316,6 +1316,81 @@ static void rank_link(dsk_comm *c, void *arg) {
     free(y);
 }
 
+/* Two emulated hosts of 2 ranks (0, 1 | 2, 3) on a link of 2 MB/s and 2 ms: only bytes between the hosts take
+   it. A send to the rank beside this one, and an all-to-all on the node's communicator, end in well under
+   what their bytes would take on the link; a send to the other host, and the world's all-to-all, last at least
+   the latency and the bytes to the other host at the link's rate; a begun world exchange reports the block from
+   beside landed before the blocks from the other host could have crossed. */
+enum { LINK_NODE_N = 1 << 14 }; /* floats to each peer */
+
+static void rank_link_nodes(dsk_comm *c, void *arg) {
+    int me = c->rank, near = me ^ 1, far = (me + 2) % 4, landed[4] = {0, 0, 0, 0};
+    int64_t cnt[4] = {LINK_NODE_N, LINK_NODE_N, LINK_NODE_N, LINK_NODE_N};
+    float *x = (float *)malloc(sizeof(float) * 4 * LINK_NODE_N), *y = (float *)malloc(sizeof(float) * 4 * LINK_NODE_N);
+    const double rate = 2e6, lat = 2e-3, block = sizeof(float) * LINK_NODE_N;
+    double t0, dt, t_near = -1, t_far = -1;
+    uint64_t off0;
+    dsk_comm *node, *cross;
+    int64_t req;
+    (void)arg;
+    for (int i = 0; i < 4 * LINK_NODE_N; i++) x[i] = (float)(me * 4 * LINK_NODE_N + i);
+    /* beside: 4 blocks each way, off the link */
+    t0 = dsk_test_now();
+    DSK_TEST_OK(dsk_comm_recv_start(c, NULL, y, 4 * LINK_NODE_N, DSK_F32, near, NULL));
+    DSK_TEST_OK(dsk_comm_send_start(c, NULL, x, 4 * LINK_NODE_N, DSK_F32, near, &req));
+    DSK_TEST_OK(dsk_comm_wait(c, NULL, DSK_COMM_ALL_REQUESTS));
+    dt = dsk_test_now() - t0;
+    DSK_TEST_EXPECT(dt < (lat + 4 * block / rate) / 2,
+                    "rank %d: a send to rank %d beside it took %.4f s (the link: %.4f)", me, near, dt,
+                    lat + 4 * block / rate);
+    DSK_TEST_EXPECT(y[7] == (float)(near * 4 * LINK_NODE_N + 7), "rank %d: element 7 from rank %d is %g", me, near,
+                    (double)y[7]);
+    /* to the other host: on it */
+    t0 = dsk_test_now();
+    DSK_TEST_OK(dsk_comm_recv_start(c, NULL, y, LINK_NODE_N, DSK_F32, far, NULL));
+    DSK_TEST_OK(dsk_comm_send_start(c, NULL, x, LINK_NODE_N, DSK_F32, far, &req));
+    DSK_TEST_OK(dsk_comm_wait(c, NULL, req));
+    dt = dsk_test_now() - t0;
+    DSK_TEST_EXPECT(dt >= lat + block / rate - 1e-4,
+                    "rank %d: a send to rank %d on the other host took %.4f s, the link %.4f", me, far, dt,
+                    lat + block / rate);
+    DSK_TEST_OK(dsk_comm_wait(c, NULL, DSK_COMM_ALL_REQUESTS));
+    /* the node's communicator: off the link */
+    DSK_TEST_OK(dsk_comm_node_comms(c, &node, &cross));
+    t0 = dsk_test_now();
+    DSK_TEST_OK(dsk_comm_all_to_all(node, NULL, x, y, 2 * LINK_NODE_N, DSK_F32));
+    dt = dsk_test_now() - t0;
+    DSK_TEST_EXPECT(dt < (lat + 2 * block / rate) / 2, "rank %d: the node's all-to-all took %.4f s (the link: %.4f)",
+                    me, dt, lat + 2 * block / rate);
+    /* the world's all-to-all: the two blocks to the other host on the link, the one beside off it */
+    off0 = c->stats.bytes_sent_off_node;
+    t0 = dsk_test_now();
+    DSK_TEST_OK(dsk_comm_all_to_all(c, NULL, x, y, LINK_NODE_N, DSK_F32));
+    dt = dsk_test_now() - t0;
+    DSK_TEST_EXPECT(c->stats.bytes_sent_off_node - off0 >= (uint64_t)(2 * block),
+                    "rank %d sent %llu bytes off the node", me,
+                    (unsigned long long)(c->stats.bytes_sent_off_node - off0));
+    DSK_TEST_EXPECT(dt >= lat + 2 * block / rate - 1e-4, "rank %d: the world's all-to-all took %.4f s, the link %.4f",
+                    me, dt, lat + 2 * block / rate);
+    /* begun: the block from beside lands first, the other host's once their bytes could have crossed */
+    t0 = dsk_test_now();
+    DSK_TEST_OK(dsk_comm_all_to_all_v_start(c, NULL, x, cnt, NULL, y, cnt, NULL, DSK_F32, NULL));
+    while (t_far < 0) {
+        if (dsk_comm_progress(c, NULL, 1, landed, NULL) != DSK_OK) {
+            DSK_TEST_EXPECT(0, "rank %d: dsk_comm_progress: %s", me, dsk_last_error());
+            break;
+        }
+        if (landed[near] && t_near < 0) t_near = dsk_test_now() - t0;
+        if (landed[far] && landed[far ^ 1]) t_far = dsk_test_now() - t0;
+    }
+    DSK_TEST_OK(dsk_comm_finish(c, NULL));
+    DSK_TEST_EXPECT(t_far >= lat + 2 * block / rate - 1e-4 && t_near < lat + 2 * block / rate,
+                    "rank %d: the block from beside landed after %.4f s, the other host's after %.4f s (the link %.4f)",
+                    me, t_near, t_far, lat + 2 * block / rate);
+    free(x);
+    free(y);
+}
+
 static void case_link(void) {
     group g;
     dsk_comm c;
@@ -1327,6 +1402,12 @@ static void case_link(void) {
     g.opts.link_gbps = 0.05;
     g.opts.link_latency_us = 2000;
     expect_group_ok(&g, rank_link, NULL);
+    if (g_mode == MODE_TWO_HOSTS) { /* 2 + 2 ranks: the link is between the hosts */
+        group_defaults(&g, 4);
+        g.opts.link_gbps = 0.002;
+        g.opts.link_latency_us = 2000;
+        expect_group_ok(&g, rank_link_nodes, NULL);
+    }
     o.backend = DSK_COMM_HOST;
     o.link_gbps = -1;
     DSK_TEST_STATUS(dsk_comm_init(&c, 0, 1, &o), DSK_ERR_ARG);
