@@ -3036,6 +3036,7 @@ DSK_API dsk_status dsk_ckpt_latest(const char *dir, int64_t *step) {
     dsk_ckpt_info info;
     int n = 0;
     if (!dir || !step) return dsk_set_error(DSK_ERR_ARG, "%s: NULL argument", fn);
+    memset(&info, 0, sizeof info); /* gcc -O3 cannot see that n > 0 means dsk_ckpt_list wrote it */
     *step = -1;
     DSK__TRY(dsk_ckpt_list(dir, &info, 1, &n));
     if (n) *step = info.step;
