@@ -73,6 +73,7 @@
 
 #include "dsk_tensor.h"
 
+DSK__FP_EXACT_BEGIN
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -520,12 +521,14 @@ dsk_status dsk_cuda_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, const 
 #ifdef __cplusplus
 }
 #endif
+DSK__FP_EXACT_END
 #endif /* DSK_AMP_H */
 
 /* ==================================================================== implementation */
 #ifdef DSK_AMP_IMPLEMENTATION
 #ifndef DSK_AMP_IMPLEMENTATION_DONE
 #define DSK_AMP_IMPLEMENTATION_DONE
+DSK__FP_EXACT_BEGIN
 
 /* With static linkage every translation unit needs its own copy of the ground floor. */
 #if defined(DSK_STATIC) && !defined(DSK_TENSOR_IMPLEMENTATION)
@@ -1580,6 +1583,7 @@ DSK_API dsk_status dsk_amp_fp8_block_dequantize(dsk_ctx *ctx, dsk_tensor *y, con
 #ifdef __cplusplus
 }
 #endif
+DSK__FP_EXACT_END
 #endif /* DSK_AMP_IMPLEMENTATION_DONE */
 #endif /* DSK_AMP_IMPLEMENTATION */
 

@@ -258,6 +258,7 @@
 #define DSK_MOE_H
 #include "dsk_tensor.h"
 #include "dsk_comm.h" /* expert parallelism */
+DSK__FP_EXACT_BEGIN
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -1204,12 +1205,14 @@ dsk_status dsk_cuda_moe_bias_update(dsk_ctx *ctx, int E, float rate, int recente
 #ifdef __cplusplus
 }
 #endif
+DSK__FP_EXACT_END
 #endif /* DSK_MOE_H */
 
 /* ==================================================================== implementation */
 #ifdef DSK_MOE_IMPLEMENTATION
 #ifndef DSK_MOE_IMPLEMENTATION_DONE
 #define DSK_MOE_IMPLEMENTATION_DONE
+DSK__FP_EXACT_BEGIN
 
 #include <pthread.h>
 #include <stdio.h>
@@ -5555,6 +5558,7 @@ DSK_API dsk_status dsk_moe_wait(dsk_moe *m, dsk_ctx *ctx) {
     return dsk__moe_step_status(m, s);
 }
 
+DSK__FP_EXACT_END
 #endif /* DSK_MOE_IMPLEMENTATION_DONE */
 #endif /* DSK_MOE_IMPLEMENTATION */
 

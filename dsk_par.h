@@ -130,6 +130,7 @@
 #define DSK_PAR_H
 #include "dsk_comm.h"
 #include "dsk_tensor.h"
+DSK__FP_EXACT_BEGIN
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -355,12 +356,14 @@ dsk_status dsk_cuda_par_ce_finish(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dl
 #ifdef __cplusplus
 }
 #endif
+DSK__FP_EXACT_END
 #endif /* DSK_PAR_H */
 
 /* ==================================================================== implementation */
 #ifdef DSK_PAR_IMPLEMENTATION
 #ifndef DSK_PAR_IMPLEMENTATION_DONE
 #define DSK_PAR_IMPLEMENTATION_DONE
+DSK__FP_EXACT_BEGIN
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -1568,6 +1571,7 @@ DSK_API dsk_status dsk_par_pipeline_run(const dsk_par_schedule *s, dsk_comm *pp,
     return st;
 }
 
+DSK__FP_EXACT_END
 #endif /* DSK_PAR_IMPLEMENTATION_DONE */
 #endif /* DSK_PAR_IMPLEMENTATION */
 

@@ -110,6 +110,7 @@
 #define DSK_PLAN_H
 #include "dsk_tensor.h"
 #include "dsk_par.h"
+DSK__FP_EXACT_BEGIN
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -299,11 +300,13 @@ DSK_API dsk_status dsk_plan_choice_read(const char *path, dsk_plan_layout *l, ds
 #ifdef __cplusplus
 }
 #endif
+DSK__FP_EXACT_END
 #endif /* DSK_PLAN_H */
 
 #ifdef DSK_PLAN_IMPLEMENTATION
 #ifndef DSK_PLAN_IMPLEMENTATION_DONE
 #define DSK_PLAN_IMPLEMENTATION_DONE
+DSK__FP_EXACT_BEGIN
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -1151,6 +1154,7 @@ DSK_API dsk_status dsk_plan_choice_read(const char *path, dsk_plan_layout *l, ds
     return dsk_plan_choice_parse(buf, n, path, l, job);
 }
 
+DSK__FP_EXACT_END
 #endif /* DSK_PLAN_IMPLEMENTATION_DONE */
 #endif /* DSK_PLAN_IMPLEMENTATION */
 

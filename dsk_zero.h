@@ -177,6 +177,7 @@
 #include "dsk_comm.h"
 #include "dsk_amp.h"
 #include "dsk_ckpt.h"
+DSK__FP_EXACT_BEGIN
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -371,12 +372,14 @@ static inline int dsk_zero_powersgd_compresses(int ndim, int64_t rows, int64_t c
 #ifdef __cplusplus
 }
 #endif
+DSK__FP_EXACT_END
 #endif /* DSK_ZERO_H */
 
 /* ==================================================================== implementation */
 #ifdef DSK_ZERO_IMPLEMENTATION
 #ifndef DSK_ZERO_IMPLEMENTATION_DONE
 #define DSK_ZERO_IMPLEMENTATION_DONE
+DSK__FP_EXACT_BEGIN
 
 #include <pthread.h>
 #include <stdio.h>
@@ -2021,6 +2024,7 @@ DSK_API dsk_status dsk_zero_ckpt_entries(dsk_zero *z, dsk_ctx *ctx, dsk_zero_ckp
     return DSK_OK;
 }
 
+DSK__FP_EXACT_END
 #endif /* DSK_ZERO_IMPLEMENTATION_DONE */
 #endif /* DSK_ZERO_IMPLEMENTATION */
 
