@@ -1006,7 +1006,7 @@ struct dsk__comm_impl {
     dsk_comm_ready_fn ready; /* dsk_comm_all_to_all_v_gated's, during its io run; else NULL */
     void *ready_arg;
     double link_bps, link_s; /* opts.link_gbps (bytes/s) and link_latency_us (s); 0: no emulated link */
-    uint64_t link_mark;      /* stats.bytes_sent when the last call ended */
+    uint64_t link_mark;      /* dsk__comm_link_sent when the last call ended */
     dsk__comm_nic *nic;      /* the emulated link's sending side, one per rank: its communicators of one world
                                   share it (NULL without a link_gbps) */
     int started, started_n;  /* an exchange begun by dsk_comm_all_to_all_v_start: its ops[0..started_n) */
