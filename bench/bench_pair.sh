@@ -9,7 +9,8 @@
 # bench_moe_ep reports it for the layer alone. CPU ranks over the host backend: shared memory on one host, or TCP
 # between two emulated hosts (DSK_HOST_ID per process, launched as torchrun would).
 # LINK_GBPS=G: every communicator on an emulated link of G GB/s (dsk_comm_opts.link_gbps, DSK_LINK_GBPS: a call
-# lasts at least its bytes over G, the rest slept on the calling thread, as a NIC moves bytes without the CPU).
+# lasts at least its bytes over G, the rest slept on the calling thread, as a NIC moves bytes without the CPU; across
+# emulated hosts only the bytes between them take it, and the TCP layout puts each rank on a host of its own).
 # Usage: bash bench/bench_pair.sh [STEPS] [ROUNDS]   (default 12 steps, the first 2 warm-up; 3 rounds).
 # BENCH_ARGS="..." replaces the model flags (default: the trainer's default model). Not part of `make test`.
 set -u
