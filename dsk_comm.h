@@ -2713,7 +2713,7 @@ static dsk_status dsk__comm_host_progress(dsk_comm *c, const char *fn, int wait,
     dsk__comm_impl *m = c->impl;
     dsk_status st = DSK_OK;
     for (;;) {
-        int fresh = 0, left = 0, late = 0;
+        int fresh = 0, left = 0, late = 0, near = 0; /* near: receives left that do not cross the link */
         int64_t bytes = dsk__comm_io_push(c, fn, m->ops, m->started_n, &st);
         double due = dsk__comm_landing_due(c), now = dsk__comm_now();
         if (bytes < 0) return dsk__comm_break(c, st);
@@ -2721,16 +2721,18 @@ static dsk_status dsk__comm_host_progress(dsk_comm *c, const char *fn, int wait,
         for (int i = 0; i < m->started_n; i++) {
             dsk__comm_io *op = &m->ops[i];
             if (op->is_send || op->told) continue;
-            if (!dsk__comm_io_finished(op)) left++;
-            else if (now < due && dsk__comm_peer_on_link(c, op->peer)) late = 1;
+            if (!dsk__comm_io_finished(op)) {
+                left++;
+                near += !dsk__comm_peer_on_link(c, op->peer);
+            } else if (now < due && dsk__comm_peer_on_link(c, op->peer)) late = 1;
             else {
                 op->told = 1;
                 fresh++;
             }
         }
         if (!wait || fresh || !(left + late)) return DSK_OK;
-        if (late) { /* whole, and still on the emulated link; a receive still coming off the link may land first */
-            dsk__comm_sleep_s(left && due - now > 1e-4 ? 1e-4 : due - now);
+        if (late) { /* whole, and still on the emulated link; a receive coming off the link may land first */
+            dsk__comm_sleep_s(near && due - now > 1e-4 ? 1e-4 : due - now);
             continue;
         }
         m->until_landed = 1;
