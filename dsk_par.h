@@ -72,7 +72,8 @@
 
    Pipeline schedules as data. p stages (pipeline ranks), m micro-batches, v chunks (virtual
      stages) per rank; rank r runs the global stages s = c p + r, c < v (v = 1 except for the
-     interleaved schedule). dsk_par_schedule_init gives rank r its ordered action list:
+     interleaved schedule), or under DualPipeV (v = 2) the V s = r and s = 2 p - 1 - r
+     (dsk_par_stage, dsk_par_stage_rank). dsk_par_schedule_init gives rank r its ordered action list:
      FORWARD / BACKWARD of (micro-batch, chunk), SEND / RECV of an activation or a gradient
      with the pipeline peer. Compute orders:
        GPipe        every forward (micro-batches 0..m-1), then every backward (0..m-1)
@@ -82,6 +83,15 @@
                     micro-batch (k / pv) p + k mod p (backward: chunk v - 1 - that); warm-up
                     2 (p - r - 1) + (v - 1) p forwards (all of them when m = p); m must be a
                     multiple of p. With v = 1 it is 1F1B.
+       dualpipev    DeepSeek's DualPipeV (deepseek-ai/DualPipe; Sea AI Lab's "cut-in-half" of the
+                    bidirectional DualPipe): chunk 0 runs stages 0..p-1 down the ranks, chunk 1 stages
+                    p..2p-1 back up, so the embedding and the head share rank 0 and the turn at rank
+                    p - 1 hands over in memory (no message: the model reads the other chunk's
+                    buffer). Its eight steps: F0 x 2 (p - r - 1); (F0 F1) x (r + 1); (B1 F1) x
+                    (p - r - 1); (F0 B1 F1 B0) x (m - 2 p + r + 1); (B1 F1 B0) x (p - r - 1); (B1 B0)
+                    x (r + 1); B0 x (p - r - 1); m >= 2 p. Without a split backward (zero bubble's
+                    W) its weight steps are part of B. Each chunk's forwards and backwards go in
+                    micro-batch order, so gradients accumulate as under the other schedules.
      Transfers are placed by running all ranks' compute orders together in unit time steps (a
      forward or a backward each takes one step; a rank runs its next computation as soon as
      its input has arrived) and appending the messages produced in a step, on both ends, in
@@ -90,8 +100,14 @@
      backend and on NCCL alike, and every input arrives before the computation that needs it.
      Bounds: micro-batch chunks whose forward ran and whose backward has not (activations kept)
        GPipe m; 1F1B min(p - r, m); interleaved min(2 (p - r - 1) + (v - 1) p + 1, m v)
-       (m v when m = p). Bubble (idle share of the ideal compute time): (p - 1) / m for GPipe
-       and 1F1B, (p - 1) / (v m) interleaved; the unit-step run reaches exactly these.
+       (m v when m = p); DualPipeV 2 p + 1 on every rank. Bubble (idle share of the ideal compute
+       time): (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) interleaved and DualPipeV (v = 2);
+       the unit-step run reaches exactly these. The DualPipe paper's (p - 1)(F&B + B - 3W) for
+       DualPipeV (F&B a forward and a backward overlapped, W the weight part a split backward
+       defers) is a bound of another model: timed (dsk_par_schedule_time, receives ahead) with a
+       chunk's F 1 and B 2, W 0 and no overlap, DualPipeV idles 3, 11 and 27 units at p 2, 4, 8
+       against that formula's 5, 15, 35 and 1F1B's (p - 1)(F + B) of 6, 18, 42 (its stages two
+       chunks long), interleaved 3, 9, 21.
      Paired (dsk_par_schedule_init_paired): each steady-state forward runs with the backward
        after it, of another micro-batch, as one FORWARD_BACKWARD action, so that the model can
        interleave the two (one's expert all-to-all in flight while the other computes:
@@ -101,6 +117,9 @@
        which keeps the bubble formula above (the unit-step run, a pair two steps) at the price
        of activations: min(warm-up + 1, m v) chunks in flight, 2 p instead of p on rank 0 under
        1F1B. The forwards and the backwards keep their unpaired order. GPipe has no pairs.
+       DualPipeV pairs as DualPipe overlaps its chunks, F0 with the B1 after it and F1 with the B0
+       after it (not the last rank's first F0 B1), in its own order: 2 p + 1 in flight, and p more
+       unit steps than unpaired (p > 1) where a pair waits for its second input.
      Executed (dsk_par_pipeline_run): a receive of a message its sender leaves in the transport's buffers
        (the host's shared-memory rings) is begun at its place in the list and finished just before the
        computation that uses its data, so a stage never waits at a receive it does not need yet; a larger
@@ -240,7 +259,12 @@ static inline DSK_HD float dsk_par_ce_grad(float x, double lse, int is_target, f
 
 /* ---- pipeline schedules */
 
-typedef enum dsk_par_schedule_kind { DSK_PAR_GPIPE = 0, DSK_PAR_1F1B, DSK_PAR_INTERLEAVED } dsk_par_schedule_kind;
+typedef enum dsk_par_schedule_kind {
+    DSK_PAR_GPIPE = 0,
+    DSK_PAR_1F1B,
+    DSK_PAR_INTERLEAVED,
+    DSK_PAR_DUALPIPE_V /* DeepSeek's DualPipeV: two chunks a rank in a V, stage r and 2 p - 1 - r */
+} dsk_par_schedule_kind;
 
 typedef enum dsk_par_action_kind {
     DSK_PAR_FORWARD = 0,
@@ -257,7 +281,7 @@ typedef struct dsk_par_action {
     dsk_par_action_kind kind;
     int micro; /* micro-batch, 0 .. m-1 */
     int chunk; /* this rank's chunk, 0 .. v-1 */
-    int stage; /* its global stage chunk * p + rank */
+    int stage; /* its global stage: dsk_par_stage(kind, p, chunk, rank) */
     int peer;  /* pipeline rank sent to / received from; -1 for computations */
     int bwd_micro, bwd_chunk, bwd_stage; /* FORWARD_BACKWARD's backward; -1 otherwise */
 } dsk_par_action;
@@ -284,7 +308,7 @@ DSK_API dsk_status dsk_par_schedule_init(dsk_par_schedule *s, dsk_par_schedule_k
 DSK_API dsk_status dsk_par_schedule_init_paired(dsk_par_schedule *s, dsk_par_schedule_kind kind, int stages, int micro,
                                                 int chunks, int rank);
 DSK_API void dsk_par_schedule_free(dsk_par_schedule *s); /* zeroed/freed ok */
-/* (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) for the interleaved schedule. */
+/* (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m) for the interleaved schedule and DualPipeV (v = 2). */
 DSK_API double dsk_par_bubble_fraction(dsk_par_schedule_kind kind, int stages, int micro, int chunks);
 /* How the transfers of a pipeline run meet (the header's "Executed" and "Timed"). */
 typedef enum dsk_par_transfers {
@@ -303,10 +327,14 @@ DSK_API dsk_status dsk_par_schedule_time(dsk_par_schedule_kind kind, int stages,
                                          double link_s, double *step_s);
 /* The most micro-batch chunks rank `rank` holds activations of (formulas at the top). */
 DSK_API int dsk_par_in_flight_bound(dsk_par_schedule_kind kind, int stages, int micro, int chunks, int rank);
-DSK_API const char *dsk_par_schedule_name(dsk_par_schedule_kind kind); /* "gpipe", "1f1b", "interleaved" */
-/* "gpipe", "1f1b" or "interleaved" into *kind; DSK_ERR_ARG otherwise. */
+DSK_API const char *dsk_par_schedule_name(dsk_par_schedule_kind kind); /* "gpipe", "1f1b", "interleaved", "dualpipev" */
+/* "gpipe", "1f1b", "interleaved" or "dualpipev" into *kind; DSK_ERR_ARG otherwise. */
 DSK_API dsk_status dsk_par_schedule_parse(const char *name, dsk_par_schedule_kind *kind);
 DSK_API const char *dsk_par_action_name(dsk_par_action_kind kind); /* "forward", "send activation", ... */
+/* The global stage of chunk `chunk` on pipeline rank `rank` of `stages` (c p + r; DualPipeV's chunk 1: 2 p - 1 - r),
+   and the pipeline rank holding global stage `stage`. */
+DSK_API int dsk_par_stage(dsk_par_schedule_kind kind, int stages, int chunk, int rank);
+DSK_API int dsk_par_stage_rank(dsk_par_schedule_kind kind, int stages, int stage);
 
 /* ---- the pipeline executor */
 
@@ -1023,17 +1051,18 @@ DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor 
 /* ---------------------------------------------------------------- schedules: compute orders */
 
 DSK_API const char *dsk_par_schedule_name(dsk_par_schedule_kind kind) {
-    static const char *names[] = {"gpipe", "1f1b", "interleaved"};
-    return (int)kind >= 0 && (int)kind <= (int)DSK_PAR_INTERLEAVED ? names[kind] : "invalid";
+    static const char *names[] = {"gpipe", "1f1b", "interleaved", "dualpipev"};
+    return (int)kind >= 0 && (int)kind <= (int)DSK_PAR_DUALPIPE_V ? names[kind] : "invalid";
 }
 
 DSK_API dsk_status dsk_par_schedule_parse(const char *name, dsk_par_schedule_kind *kind) {
-    for (int k = 0; k <= (int)DSK_PAR_INTERLEAVED; k++)
+    for (int k = 0; k <= (int)DSK_PAR_DUALPIPE_V; k++)
         if (name && kind && strcmp(name, dsk_par_schedule_name((dsk_par_schedule_kind)k)) == 0) {
             *kind = (dsk_par_schedule_kind)k;
             return DSK_OK;
         }
-    return dsk_set_error(DSK_ERR_ARG, "dsk_par_schedule_parse: \"%s\" is not a schedule (gpipe, 1f1b, interleaved)",
+    return dsk_set_error(DSK_ERR_ARG,
+                         "dsk_par_schedule_parse: \"%s\" is not a schedule (gpipe, 1f1b, interleaved, dualpipev)",
                          name ? name : "(null)");
 }
 
@@ -1044,12 +1073,17 @@ DSK_API const char *dsk_par_action_name(dsk_par_action_kind kind) {
 }
 
 static dsk_status dsk__par_sched_check(const char *fn, dsk_par_schedule_kind kind, int p, int m, int v, int r) {
-    if ((int)kind < 0 || (int)kind > (int)DSK_PAR_INTERLEAVED)
+    if ((int)kind < 0 || (int)kind > (int)DSK_PAR_DUALPIPE_V)
         return dsk_set_error(DSK_ERR_ARG, "%s: unknown schedule %d", fn, (int)kind);
     if (p < 1 || m < 1 || v < 1 || r < 0 || r >= p)
         return dsk_set_error(DSK_ERR_ARG, "%s: %s with %d stages, %d micro-batches, %d chunks, rank %d: need "
                              "positive sizes and 0 <= rank < stages", fn, dsk_par_schedule_name(kind), p, m, v, r);
-    if (kind != DSK_PAR_INTERLEAVED && v != 1)
+    if (kind == DSK_PAR_DUALPIPE_V && (v != 2 || m < 2 * p))
+        return dsk_set_error(DSK_ERR_ARG,
+                             "%s: dualpipev runs 2 chunks a rank (not %d) and at least 2 micro-batches a "
+                             "stage (%d stages: %d or more, not %d)",
+                             fn, v, p, 2 * p, m);
+    if (kind != DSK_PAR_INTERLEAVED && kind != DSK_PAR_DUALPIPE_V && v != 1)
         return dsk_set_error(DSK_ERR_ARG, "%s: %s runs one chunk per rank, not %d (use the interleaved schedule)", fn,
                              dsk_par_schedule_name(kind), v);
     if (kind == DSK_PAR_INTERLEAVED && v > 1 && m % p != 0)
@@ -1063,7 +1097,16 @@ static dsk_status dsk__par_sched_check(const char *fn, dsk_par_schedule_kind kin
 DSK_API double dsk_par_bubble_fraction(dsk_par_schedule_kind kind, int stages, int micro, int chunks) {
     int v = kind == DSK_PAR_INTERLEAVED && chunks > 1 ? chunks : 1;
     if (stages < 1 || micro < 1) return 0.0;
+    if (kind == DSK_PAR_DUALPIPE_V) v = 2; /* 2 (p - 1) unit steps of 4 m, as interleaved's at v = 2 */
     return (double)(stages - 1) / ((double)v * micro);
+}
+
+DSK_API int dsk_par_stage(dsk_par_schedule_kind kind, int stages, int chunk, int rank) {
+    return kind == DSK_PAR_DUALPIPE_V && chunk == 1 ? 2 * stages - 1 - rank : chunk * stages + rank;
+}
+
+DSK_API int dsk_par_stage_rank(dsk_par_schedule_kind kind, int stages, int stage) {
+    return kind == DSK_PAR_DUALPIPE_V && stage >= stages ? 2 * stages - 1 - stage : stage % stages;
 }
 
 /* Warm-up forwards of rank r (forwards before the first backward, steady state aside). */
@@ -1088,6 +1131,7 @@ DSK_API int dsk_par_in_flight_bound(dsk_par_schedule_kind kind, int stages, int 
     int total, w;
     if (dsk__par_sched_check("dsk_par_in_flight_bound", kind, stages, micro, chunks, rank) != DSK_OK) return -1;
     total = micro * chunks;
+    if (kind == DSK_PAR_DUALPIPE_V) return 2 * stages + 1; /* 2 p forwards before the first backward, then one more */
     w = dsk__par_warmup(kind, stages, micro, chunks, rank);
     return w + 1 < total ? w + 1 : total;
 }
@@ -1110,10 +1154,57 @@ static dsk__par_op dsk__par_kth(int p, int v, int k, int bwd) {
     return o;
 }
 
+/* DualPipeV's compute order (deepseek-ai/DualPipe, dualpipev.py, its eight steps; chunk 0 runs stages 0..p-1 down
+   the ranks, chunk 1 stages p..2p-1 back up): F0 x 2 (p - r - 1); (F0 F1) x (r + 1); (B1 F1) x (p - r - 1);
+   (F0 B1 F1 B0) x (m - 2 p + r + 1); (B1 F1 B0) x (p - r - 1); (B1 B0) x (r + 1); B0 x (p - r - 1). Each chunk's
+   forwards and backwards go in micro-batch order (the gradients accumulate as under 1F1B), and without a split
+   backward its weight steps are part of B. Paired: F0 with the B1 after it and F1 with the B0 after it (DualPipe's
+   overlapped chunks), except the last rank's first F0 B1 (DualPipeV does not overlap those either). */
+static void dsk__par_order_v(int p, int m, int r, int paired, dsk__par_op *ops) {
+    int next[4] = {0, 0, 0, 0}, n = 0; /* next micro-batch of F0, F1, B0, B1 */
+#define DSK__PAR_V(bwd_, chunk_, pair_) \
+    do { \
+        dsk__par_op *o_ = &ops[n++]; \
+        o_->bwd = (bwd_), o_->chunk = (chunk_), o_->pair = paired && (pair_); \
+        o_->micro = next[2 * (bwd_) + (chunk_)]++; \
+    } while (0)
+    for (int i = 0; i < 2 * (p - r - 1); i++) DSK__PAR_V(0, 0, 0);
+    for (int i = 0; i < r + 1; i++) {
+        DSK__PAR_V(0, 0, 0);
+        DSK__PAR_V(0, 1, 0);
+    }
+    for (int i = 0; i < p - r - 1; i++) {
+        DSK__PAR_V(1, 1, 0);
+        DSK__PAR_V(0, 1, 0);
+    }
+    for (int i = 0; i < m - 2 * p + r + 1; i++) {
+        DSK__PAR_V(0, 0, !(i == 0 && r == p - 1));
+        DSK__PAR_V(1, 1, 0);
+        DSK__PAR_V(0, 1, 1);
+        DSK__PAR_V(1, 0, 0);
+    }
+    for (int i = 0; i < p - r - 1; i++) {
+        DSK__PAR_V(1, 1, 0);
+        DSK__PAR_V(0, 1, 1);
+        DSK__PAR_V(1, 0, 0);
+    }
+    for (int i = 0; i < r + 1; i++) {
+        DSK__PAR_V(1, 1, 0);
+        DSK__PAR_V(1, 0, 0);
+    }
+    for (int i = 0; i < p - r - 1; i++) DSK__PAR_V(1, 0, 0);
+#undef DSK__PAR_V
+}
+
 /* Rank r's compute order: 2 m v operations; paired: one more warm-up forward, and each steady
    forward paired with the backward after it unless they are of the same micro-batch. */
 static void dsk__par_order(dsk_par_schedule_kind kind, int p, int m, int v, int r, int paired, dsk__par_op *ops) {
-    int total = m * v, w = paired ? dsk__par_warmup_paired(kind, p, m, v, r) : dsk__par_warmup(kind, p, m, v, r), n = 0;
+    int total = m * v, w, n = 0;
+    if (kind == DSK_PAR_DUALPIPE_V) {
+        dsk__par_order_v(p, m, r, paired, ops);
+        return;
+    }
+    w = paired ? dsk__par_warmup_paired(kind, p, m, v, r) : dsk__par_warmup(kind, p, m, v, r);
     if (kind == DSK_PAR_GPIPE) {
         for (int k = 0; k < total; k++) ops[n++] = dsk__par_kth(p, v, k, 0);
         for (int k = 0; k < total; k++) ops[n++] = dsk__par_kth(p, v, k, 1);
@@ -1138,6 +1229,7 @@ DSK_API void dsk_par_schedule_free(dsk_par_schedule *s) {
 }
 
 typedef struct dsk__par_sim {
+    dsk_par_schedule_kind kind;
     int p, m, v, S;            /* S = p v global stages */
     dsk__par_op *order;        /* [p][2 m v] */
     int *pos;                  /* [p] next operation of each rank */
@@ -1177,7 +1269,7 @@ static void dsk__par_produce(dsk__par_sim *z, const dsk__par_op *o, int s, int *
 
 /* Whether rank r's next operation has its input. */
 static int dsk__par_ready(const dsk__par_sim *z, int r, const dsk__par_op *o) {
-    int s = o->chunk * z->p + r;
+    int s = dsk_par_stage(z->kind, z->p, o->chunk, r);
     if (!o->bwd) return s == 0 || z->act[(size_t)s * z->m + o->micro];
     return s == z->S - 1 || z->grad[(size_t)s * z->m + o->micro];
 }
@@ -1195,7 +1287,7 @@ static dsk_status dsk__par_simulate(dsk__par_sim *z) {
             o = &z->order[(size_t)r * per + z->pos[r]];
             b = o->pair ? o + 1 : NULL;
             if (!dsk__par_ready(z, r, o) || (b && !dsk__par_ready(z, r, b))) continue;
-            s = o->chunk * z->p + r;
+            s = dsk_par_stage(z->kind, z->p, o->chunk, r);
             a = dsk__par_emit(z, r,
                               b        ? DSK_PAR_FORWARD_BACKWARD
                               : o->bwd ? DSK_PAR_BACKWARD
@@ -1203,7 +1295,7 @@ static dsk_status dsk__par_simulate(dsk__par_sim *z) {
                               o->micro, s, -1);
             dsk__par_produce(z, o, s, &n_msg);
             if (b) {
-                int sb = b->chunk * z->p + r;
+                int sb = dsk_par_stage(z->kind, z->p, b->chunk, r);
                 if (a) {
                     a->bwd_micro = b->micro;
                     a->bwd_chunk = b->chunk;
@@ -1223,10 +1315,11 @@ static dsk_status dsk__par_simulate(dsk__par_sim *z) {
         /* this step's messages, in producer-rank order, on both ends */
         for (int i = 0; i < n_msg; i++) {
             int bwd = z->msg[3 * i], mb = z->msg[3 * i + 1], s = z->msg[3 * i + 2];
-            int to = bwd ? s - 1 : s + 1, rs = s % z->p, rt = to % z->p;
+            int to = bwd ? s - 1 : s + 1;
+            int rs = dsk_par_stage_rank(z->kind, z->p, s), rt = dsk_par_stage_rank(z->kind, z->p, to);
             if (bwd) z->grad[(size_t)to * z->m + mb] = 1;
             else z->act[(size_t)to * z->m + mb] = 1;
-            if (rs == rt) continue; /* one rank (p = 1): a local hand-over */
+            if (rs == rt) continue; /* one rank (p = 1; DualPipeV's turn at rank p - 1): a local hand-over */
             dsk__par_emit(z, rs, bwd ? DSK_PAR_SEND_GRAD : DSK_PAR_SEND_ACT, mb, s, rt);
             dsk__par_emit(z, rt, bwd ? DSK_PAR_RECV_GRAD : DSK_PAR_RECV_ACT, mb, to, rs);
         }
@@ -1247,7 +1340,7 @@ static void dsk__par_sim_free(dsk__par_sim *z) {
 static dsk_status dsk__par_sim_init(dsk__par_sim *z, const char *fn, dsk_par_schedule_kind kind, int p, int m, int v,
                                     int paired) {
     size_t per = (size_t)2 * m * v;
-    z->p = p, z->m = m, z->v = v, z->S = p * v, z->fn = fn;
+    z->kind = kind, z->p = p, z->m = m, z->v = v, z->S = p * v, z->fn = fn;
     z->order = (dsk__par_op *)DSK_MALLOC((size_t)p * per * sizeof *z->order);
     z->pos = (int *)DSK_MALLOC((size_t)p * sizeof(int));
     z->act = (unsigned char *)DSK_MALLOC((size_t)z->S * m);
@@ -1292,7 +1385,7 @@ static dsk_status dsk__par_schedule_build(const char *fn, dsk_par_schedule *s, d
     s->actions = z.out;
     s->paired = paired;
     s->in_flight = dsk_par_in_flight_bound(kind, stages, micro, chunks, rank);
-    if (paired) {
+    if (paired && kind != DSK_PAR_DUALPIPE_V) { /* DualPipeV's pairs keep its order */
         int w = dsk__par_warmup_paired(kind, stages, micro, chunks, rank);
         s->in_flight = w + 1 < micro * chunks ? w + 1 : micro * chunks;
     }
@@ -1355,9 +1448,9 @@ static int dsk__par_time_rank(const dsk_par_action *lists, const int *n, size_t 
 /* The same under DSK_PAR_TRANSFERS_AHEAD: a send sets its message's landing time (arrive[is_grad][stage][micro],
    the consumer's stage; negative: not sent yet), a receive costs nothing, a computation starts once its
    inputs have landed. */
-static int dsk__par_time_rank_ahead(const dsk_par_action *lists, const int *n, size_t room, int r, int *pos,
-                                    double *clock, const double *fwd_s, const double *bwd_s, double link_s,
-                                    double *arrive, int p, int S, int m) {
+static int dsk__par_time_rank_ahead(dsk_par_schedule_kind kind, const dsk_par_action *lists, const int *n, size_t room,
+                                    int r, int *pos, double *clock, const double *fwd_s, const double *bwd_s,
+                                    double link_s, double *arrive, int p, int S, int m) {
     int ran = 0;
     while (pos[r] < n[r]) {
         const dsk_par_action *a = &lists[(size_t)r * room + (size_t)pos[r]];
@@ -1368,9 +1461,10 @@ static int dsk__par_time_rank_ahead(const dsk_par_action *lists, const int *n, s
             int fs = a->kind == DSK_PAR_BACKWARD ? -1 : a->stage, bs = a->kind == DSK_PAR_FORWARD ? -1 : a->stage;
             int bm = a->micro;
             if (a->kind == DSK_PAR_FORWARD_BACKWARD) bs = a->bwd_stage, bm = a->bwd_micro;
-            /* inputs from another rank (p > 1): a forward's activation (not stage 0), a backward's gradient (not
-               the last stage's) */
-            int fin = p > 1 && fs > 0, bin = p > 1 && bs >= 0 && bs < S - 1;
+            /* inputs from another rank: a forward's activation (not stage 0), a backward's gradient (not the last
+               stage's), unless the neighbouring stage is on this rank (p = 1, DualPipeV's turn) */
+            int fin = fs > 0 && dsk_par_stage_rank(kind, p, fs - 1) != r;
+            int bin = bs >= 0 && bs < S - 1 && dsk_par_stage_rank(kind, p, bs + 1) != r;
             if ((fin && act[(size_t)fs * m + a->micro] < 0) || (bin && grad[(size_t)bs * m + bm] < 0)) break;
             if (fin) in = act[(size_t)fs * m + a->micro];
             if (bin && grad[(size_t)bs * m + bm] > in) in = grad[(size_t)bs * m + bm];
@@ -1422,8 +1516,8 @@ DSK_API dsk_status dsk_par_schedule_time(dsk_par_schedule_kind kind, int stages,
         int ran = 0;
         for (int r = 0; r < stages; r++)
             ran += transfers == DSK_PAR_TRANSFERS_AHEAD
-                       ? dsk__par_time_rank_ahead(lists, n, room, r, pos, clock, fwd_s, bwd_s, link_s, arrive, stages,
-                                                  S, micro)
+                       ? dsk__par_time_rank_ahead(kind, lists, n, room, r, pos, clock, fwd_s, bwd_s, link_s, arrive,
+                                                  stages, S, micro)
                        : dsk__par_time_rank(lists, n, room, r, pos, clock, fwd_s, bwd_s, link_s);
         if (!ran)
             st = dsk_set_error(DSK_ERR_STATE,

@@ -264,8 +264,8 @@ DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_clust
    their sends leave at once (DSK_PAR_TRANSFERS_AHEAD); larger messages, and GPUs (the lists' order on the stream),
    meet in order (DSK_PAR_TRANSFERS_IN_ORDER). */
 DSK_API dsk_par_transfers dsk_plan_transfers(const dsk_plan_cluster *c, double message_bytes);
-/* What dsk_plan_stages times: a micro-batch's forward and backward of each global stage k pp + s (fwd_s, bwd_s: pp v
-   each), stage s's compute, expert exchanges and tensor-parallel collectives (tp, every stage's taken as the
+/* What dsk_plan_stages times: a micro-batch's forward and backward of each global stage dsk_par_stage(schedule, pp,
+   k, s) (k pp + s; DualPipeV's V) (fwd_s, bwd_s: pp v each), stage s's compute, expert exchanges and tensor-parallel collectives (tp, every stage's taken as the
    busiest's; NULL: none) over its chunks alike, the forward a third of its FLOPs without recomputation and half its
    exchanges and collectives (each layer's run inside its passes, as its compute). */
 DSK_API void dsk_plan_stage_times(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
@@ -621,9 +621,9 @@ DSK_API void dsk_plan_stage_times(const dsk_plan_model *m, const dsk_plan_cluste
         double comm = dsk__plan_ep_s(m, c, job, l, dsk__plan_layers_of(m, l, &stages[s], counted)) + tp_s;
         double busy = dsk__plan_compute_s(c, job, l, &stages[s], l->tp * l->dp) + comm;
         double f = dsk__plan_forward_s(c, job, l, &stages[s], comm);
-        for (int k = 0; k < v; k++) { /* each of the rank's chunks alike */
-            fwd_s[k * p + s] = f / mv;
-            bwd_s[k * p + s] = (busy - f) / mv;
+        for (int k = 0; k < v; k++) { /* each of the rank's chunks alike, at its global stage */
+            fwd_s[dsk_par_stage(l->schedule, p, k, s)] = f / mv;
+            bwd_s[dsk_par_stage(l->schedule, p, k, s)] = (busy - f) / mv;
         }
     }
 }
@@ -1117,8 +1117,8 @@ DSK_API dsk_status dsk_plan_choice_parse(const char *json, size_t n, const char 
     memset(&out, 0, sizeof out);
     if (dsk_par_schedule_parse(str[0], &out.schedule) != DSK_OK)
         return dsk_set_error(DSK_ERR_CORRUPT,
-                             "dsk_plan_choice_parse: %s: \"pp_schedule\" \"%s\": gpipe, 1f1b or "
-                             "interleaved",
+                             "dsk_plan_choice_parse: %s: \"pp_schedule\" \"%s\": gpipe, 1f1b, "
+                             "interleaved or dualpipev",
                              what, str[0]);
     while ((int)out.recompute < 3 && strcmp(dsk__plan_rc_names[out.recompute], str[1]))
         out.recompute = (dsk_plan_recompute)(out.recompute + 1);

@@ -135,8 +135,11 @@ typedef struct sim_result {
     int in_flight[16];
 } sim_result;
 
-/* Owner rank of global stage s. */
-static int owner(int s, int p) { return s % p; }
+/* Owner rank of global stage s: c p + r, or DualPipeV's V (chunk 1: stage 2 p - 1 - r), written out here apart
+   from dsk_par_stage_rank. */
+static int owner(int s, int p, dsk_par_schedule_kind k) {
+    return k == DSK_PAR_DUALPIPE_V && s >= p ? 2 * p - 1 - s : s % p;
+}
 
 /* Runs the p lists with rendezvous sends and receives; reports the first violation. */
 static sim_result simulate(dsk_par_schedule *sc, int p, int m, int v, const char *what, int quiet) {
@@ -164,17 +167,20 @@ static sim_result simulate(dsk_par_schedule *sc, int p, int m, int v, const char
             if (pos[r] == sc[r].n) { done_ranks++; continue; }
             a = &sc[r].actions[pos[r]];
             s = a->stage;
-            if (s % p != r || a->chunk != s / p || a->micro < 0 || a->micro >= m || s < 0 || s >= S)
+            if (owner(s, p, sc[0].kind) != r || a->chunk != s / p || a->micro < 0 || a->micro >= m || s < 0 || s >= S)
                 SIM_FAIL("%s: rank %d action %d: stage %d chunk %d micro %d do not belong here", what, r, pos[r], s,
                          a->chunk, a->micro);
             if (a->kind == DSK_PAR_FORWARD_BACKWARD) { /* the forward, then the backward, one unit each */
                 int sb = a->bwd_stage, mb = a->bwd_micro, ready;
-                if (sb % p != r || a->bwd_chunk != sb / p || mb < 0 || mb >= m || sb < 0 || sb >= S || mb == a->micro)
+                if (owner(sb, p, sc[0].kind) != r || a->bwd_chunk != sb / p || mb < 0 || mb >= m || sb < 0 || sb >= S ||
+                    mb == a->micro)
                     SIM_FAIL("%s: rank %d action %d pairs forward micro %d with backward micro %d stage %d", what, r,
                              pos[r], a->micro, mb, sb);
-                ready = s == 0 || (owner(s - 1, p) == r ? fw[(s - 1) * m + a->micro] : racts[s * m + a->micro]);
-                ready = ready && fw[sb * m + mb] &&
-                        (sb == S - 1 || (owner(sb + 1, p) == r ? bw[(sb + 1) * m + mb] : rgrad[sb * m + mb]));
+                ready =
+                    s == 0 || (owner(s - 1, p, sc[0].kind) == r ? fw[(s - 1) * m + a->micro] : racts[s * m + a->micro]);
+                ready =
+                    ready && fw[sb * m + mb] &&
+                    (sb == S - 1 || (owner(sb + 1, p, sc[0].kind) == r ? bw[(sb + 1) * m + mb] : rgrad[sb * m + mb]));
                 if (!ready) SIM_FAIL("%s: rank %d runs the pair (F%d, B%d) before its inputs", what, r, a->micro, mb);
                 if (fw[s * m + a->micro]++) SIM_FAIL("%s: forward of micro %d stage %d twice", what, a->micro, s);
                 if (bw[sb * m + mb]++) SIM_FAIL("%s: backward of micro %d stage %d twice", what, mb, sb);
@@ -184,7 +190,8 @@ static sim_result simulate(dsk_par_schedule *sc, int p, int m, int v, const char
                 pos[r]++;
                 moved = 1;
             } else if (a->kind == DSK_PAR_FORWARD) {
-                int ready = s == 0 || (owner(s - 1, p) == r ? fw[(s - 1) * m + a->micro] : racts[s * m + a->micro]);
+                int ready =
+                    s == 0 || (owner(s - 1, p, sc[0].kind) == r ? fw[(s - 1) * m + a->micro] : racts[s * m + a->micro]);
                 if (!ready)
                     SIM_FAIL("%s: rank %d runs forward of micro %d stage %d before its input", what, r, a->micro, s);
                 if (fw[s * m + a->micro]++) SIM_FAIL("%s: forward of micro %d stage %d twice", what, a->micro, s);
@@ -193,7 +200,7 @@ static sim_result simulate(dsk_par_schedule *sc, int p, int m, int v, const char
                 pos[r]++;
                 moved = 1;
             } else if (a->kind == DSK_PAR_BACKWARD) {
-                int local = owner(s + 1, p) == r;
+                int local = owner(s + 1, p, sc[0].kind) == r;
                 int ready = fw[s * m + a->micro] &&
                             (s == S - 1 || (local ? bw[(s + 1) * m + a->micro] : rgrad[s * m + a->micro]));
                 if (!ready)
@@ -206,7 +213,7 @@ static sim_result simulate(dsk_par_schedule *sc, int p, int m, int v, const char
             } else if (a->kind == DSK_PAR_SEND_ACT || a->kind == DSK_PAR_SEND_GRAD) {
                 int grad = a->kind == DSK_PAR_SEND_GRAD, to = grad ? s - 1 : s + 1, q = a->peer;
                 const dsk_par_action *b;
-                if (to < 0 || to >= S || q != owner(to, p) || q == r)
+                if (to < 0 || to >= S || q != owner(to, p, sc[0].kind) || q == r)
                     SIM_FAIL("%s: rank %d sends %s of stage %d to rank %d", what, r, grad ? "grad" : "act", s, q);
                 if (!(grad ? bw[s * m + a->micro] : fw[s * m + a->micro]))
                     SIM_FAIL("%s: rank %d sends micro %d stage %d before computing it", what, r, a->micro, s);
@@ -292,6 +299,7 @@ static int check_schedule(dsk_par_schedule_kind kind, int p, int m, int v) {
         for (int r = 0; r < p; r++) {
             int bound;
             if (kind == DSK_PAR_GPIPE) bound = m;
+            else if (kind == DSK_PAR_DUALPIPE_V) bound = 2 * p + 1; /* 2 p forwards, then F0 before B1 */
             else if (kind == DSK_PAR_1F1B || v == 1) bound = p - r < m ? p - r : m;
             else if (m == p) bound = m * v;
             else bound = 2 * (p - r - 1) + (v - 1) * p + 1 < m * v ? 2 * (p - r - 1) + (v - 1) * p + 1 : m * v;
@@ -351,7 +359,9 @@ static int check_paired(dsk_par_schedule_kind kind, int p, int m, int v, int *pa
         ok = 0;
         goto out;
     }
-    if (fabs((double)(res.makespan - 2 * m * v) / (2.0 * m * v) - dsk_par_bubble_fraction(kind, p, m, v)) > 1e-12) {
+    /* DualPipeV's pairs wait for both inputs: p more unit steps than its unpaired 2 (p - 1) (p > 1) */
+    if (fabs((double)(res.makespan - 2 * m * v) / (2.0 * m * v) - dsk_par_bubble_fraction(kind, p, m, v) -
+             (kind == DSK_PAR_DUALPIPE_V && p > 1 ? p / (2.0 * m * v) : 0.0)) > 1e-12) {
         dsk_test_fail_at(__FILE__, __LINE__, "%s: makespan %d, bubble %.6f, unpaired formula %.6f", what, res.makespan,
                          (double)(res.makespan - 2 * m * v) / (2.0 * m * v), dsk_par_bubble_fraction(kind, p, m, v));
         ok = 0;
@@ -365,6 +375,7 @@ static int check_paired(dsk_par_schedule_kind kind, int p, int m, int v, int *pa
         if ((v > 1 && m == p) || kind == DSK_PAR_GPIPE) w = m * v; /* every forward first, as unpaired */
         w = w < m * v ? w : m * v;
         bound = w + 1 < m * v ? w + 1 : m * v;
+        if (kind == DSK_PAR_DUALPIPE_V) bound = 2 * p + 1; /* the pairs keep DualPipeV's order */
         DSK_TEST_OK(dsk_par_schedule_init(&un, kind, p, m, v, r));
         n = compute_order(&sc[r], ops);
         n_un = compute_order(&un, ops_un);
@@ -414,6 +425,12 @@ static void test_schedules_property(void) {
                 bad += !check_paired(DSK_PAR_INTERLEAVED, p, k * p, v, &pairs);
                 n += 2;
             }
+    for (int p = 1; p <= 6; p++)
+        for (int m = 2 * p; m <= 4 * p + 2; m++) {
+            bad += !check_schedule(DSK_PAR_DUALPIPE_V, p, m, 2);
+            bad += !check_paired(DSK_PAR_DUALPIPE_V, p, m, 2, &pairs);
+            n += 2;
+        }
     printf("     %d configurations checked (half of them paired, %d pairs), %d failed\n", n, pairs, bad);
 }
 
@@ -549,8 +566,11 @@ static double timed_lists_ahead(const dsk_par_schedule *sc, int p, int m, int v,
             if (!a) continue;
             bs = a->kind == DSK_PAR_FORWARD_BACKWARD ? a->bwd_stage : a->stage;
             bm = a->kind == DSK_PAR_FORWARD_BACKWARD ? a->bwd_micro : a->micro;
-            fwd_in = (a->kind == DSK_PAR_FORWARD || a->kind == DSK_PAR_FORWARD_BACKWARD) && p > 1 && a->stage > 0;
-            bwd_in = (a->kind == DSK_PAR_BACKWARD || a->kind == DSK_PAR_FORWARD_BACKWARD) && p > 1 && bs < S - 1;
+            /* inputs from other ranks: not a local hand-over (p = 1, DualPipeV's turn) */
+            fwd_in = (a->kind == DSK_PAR_FORWARD || a->kind == DSK_PAR_FORWARD_BACKWARD) && a->stage > 0 &&
+                     owner(a->stage - 1, p, sc[0].kind) != r;
+            bwd_in = (a->kind == DSK_PAR_BACKWARD || a->kind == DSK_PAR_FORWARD_BACKWARD) && bs < S - 1 &&
+                     owner(bs + 1, p, sc[0].kind) != r;
             if (a->kind == DSK_PAR_SEND_ACT) act[a->stage + 1][a->micro] = clock[r] + link;
             else if (a->kind == DSK_PAR_SEND_GRAD) grad[a->stage - 1][a->micro] = clock[r] + link;
             else if (a->kind != DSK_PAR_RECV_ACT && a->kind != DSK_PAR_RECV_GRAD) {
@@ -568,9 +588,10 @@ static double timed_lists_ahead(const dsk_par_schedule *sc, int p, int m, int v,
 }
 
 /* dsk_par_schedule_time, both transfers: equal stages give the bubble formula's step; random unequal stages and
-   links the step of the lists timed above; backward twice the forward: the bubble formula for GPipe and 1F1B
-   both ways, for the interleaved lists only with the receives ahead (in order they stall: 121 units against 99
-   at p 2, m 16, v 2); a two-stage 1F1B by hand (a heavy last stage idles the first less than (p - 1) / m of the
+   links the step of the lists timed above (DualPipeV's paired lists: at most p units over the unpaired formula,
+   as its pairs wait for both inputs); backward twice the forward: the bubble formula for GPipe and 1F1B both
+   ways, for the interleaved lists only with the receives ahead (in order they stall: 121 units against 99 at p
+   2, m 16, v 2); a two-stage 1F1B by hand (a heavy last stage idles the first less than (p - 1) / m of the
    heaviest says); bad input. */
 static void test_schedule_time(void) {
     static const struct {
@@ -580,7 +601,8 @@ static void test_schedule_time(void) {
         {DSK_PAR_GPIPE, 1, 3, 1},       {DSK_PAR_GPIPE, 4, 6, 1},       {DSK_PAR_1F1B, 2, 2, 1},
         {DSK_PAR_1F1B, 4, 8, 1},        {DSK_PAR_1F1B, 8, 5, 1},        {DSK_PAR_1F1B, 3, 7, 1},
         {DSK_PAR_INTERLEAVED, 2, 4, 2}, {DSK_PAR_INTERLEAVED, 4, 8, 2}, {DSK_PAR_INTERLEAVED, 4, 4, 3},
-        {DSK_PAR_INTERLEAVED, 3, 9, 4},
+        {DSK_PAR_INTERLEAVED, 3, 9, 4}, {DSK_PAR_DUALPIPE_V, 1, 2, 2},  {DSK_PAR_DUALPIPE_V, 2, 4, 2},
+        {DSK_PAR_DUALPIPE_V, 3, 7, 2},  {DSK_PAR_DUALPIPE_V, 4, 8, 2},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         for (int paired = 0; paired < 2; paired++)
@@ -594,10 +616,13 @@ static void test_schedule_time(void) {
                 for (int s = 0; s < S; s++) fwd[s] = 1.0, bwd[s] = 1.0;
                 DSK_TEST_OK(dsk_par_schedule_time(cases[i].kind, p, m, v, paired, tr, fwd, bwd, 0.0, &step));
                 want = (1 + dsk_par_bubble_fraction(cases[i].kind, p, m, v)) * m * v * 2.0;
+                if (paired && cases[i].kind == DSK_PAR_DUALPIPE_V && p > 1 && step >= want - 1e-9)
+                    want = step <= want + p ? step : want + p; /* its pairs wait for both inputs: at most p units */
                 DSK_TEST_EXPECT(fabs(step - want) < 1e-9,
                                 "%s p %d m %d v %d paired %d %s: equal stages %.9g s, formula %.9g",
                                 dsk_par_schedule_name(cases[i].kind), p, m, v, paired, how, step, want);
-                if (v == 1 || (t && !paired)) { /* in order, the interleaved lists stall when b > f */
+                /* in order, the interleaved lists stall when b > f; DualPipeV's turn is not the formula's */
+                if (v == 1 || (t && !paired && cases[i].kind == DSK_PAR_INTERLEAVED)) {
                     for (int s = 0; s < S; s++) fwd[s] = 0.5, bwd[s] = 1.0;
                     DSK_TEST_OK(dsk_par_schedule_time(cases[i].kind, p, m, v, paired, tr, fwd, bwd, 0.0, &step));
                     want = (1 + dsk_par_bubble_fraction(cases[i].kind, p, m, v)) * m * v * 1.5;
@@ -691,8 +716,28 @@ static void test_schedule_errors(void) {
     DSK_TEST_STATUS(dsk_par_schedule_init_paired(&s, DSK_PAR_INTERLEAVED, 4, 6, 2, 0), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("dsk_par_schedule_init_paired: interleaved schedule with 2 chunks: 6 micro-batches");
     DSK_TEST_EXPECT(s.actions == NULL && s.n == 0, "failed init leaves the schedule zeroed");
+    DSK_TEST_STATUS(dsk_par_schedule_init(&s, DSK_PAR_DUALPIPE_V, 3, 5, 2, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("at least 2 micro-batches a stage (3 stages: 6 or more, not 5)");
+    DSK_TEST_STATUS(dsk_par_schedule_init_paired(&s, DSK_PAR_DUALPIPE_V, 2, 8, 1, 0), DSK_ERR_ARG);
+    DSK_TEST_ERROR_MENTIONS("dualpipev runs 2 chunks a rank (not 1)");
+    DSK_TEST_EXPECT(dsk_par_in_flight_bound(DSK_PAR_DUALPIPE_V, 2, 3, 2, 0) == -1, "dualpipev, m 3 < 2 p: -1");
     DSK_TEST_STATUS(dsk_par_schedule_parse("zb", &k), DSK_ERR_ARG);
     DSK_TEST_ERROR_MENTIONS("\"zb\" is not a schedule");
+    DSK_TEST_OK(dsk_par_schedule_parse("dualpipev", &k));
+    DSK_TEST_EXPECT(k == DSK_PAR_DUALPIPE_V && strcmp(dsk_par_schedule_name(k), "dualpipev") == 0, "dualpipev: %d", k);
+    /* the V's stage map, both ways: chunk 0 down the ranks, chunk 1 back up */
+    for (int r = 0; r < 4; r++) {
+        DSK_TEST_EXPECT(dsk_par_stage(DSK_PAR_DUALPIPE_V, 4, 0, r) == r &&
+                            dsk_par_stage(DSK_PAR_DUALPIPE_V, 4, 1, r) == 7 - r,
+                        "dualpipev rank %d: stages %d %d", r, dsk_par_stage(DSK_PAR_DUALPIPE_V, 4, 0, r),
+                        dsk_par_stage(DSK_PAR_DUALPIPE_V, 4, 1, r));
+        DSK_TEST_EXPECT(dsk_par_stage(DSK_PAR_INTERLEAVED, 4, 1, r) == 4 + r, "interleaved rank %d", r);
+    }
+    for (int st = 0; st < 8; st++)
+        DSK_TEST_EXPECT(
+            dsk_par_stage(DSK_PAR_DUALPIPE_V, 4, st / 4, dsk_par_stage_rank(DSK_PAR_DUALPIPE_V, 4, st)) == st &&
+                dsk_par_stage(DSK_PAR_INTERLEAVED, 4, st / 4, dsk_par_stage_rank(DSK_PAR_INTERLEAVED, 4, st)) == st,
+            "stage %d: its rank's chunk does not hold it", st);
     DSK_TEST_EXPECT(dsk_par_in_flight_bound(DSK_PAR_1F1B, 2, 2, 1, 5) == -1, "bad rank gives -1");
 }
 
@@ -1227,6 +1272,7 @@ typedef struct pipe_ok {
     float *want; /* [len] */
     int pairs;   /* forward_backward calls */
     int slow;    /* this rank sleeps 20 ms in each computation */
+    int vshape;  /* DualPipeV: chunk 1 holds stage 2 p - 1 - rank */
     unsigned char *begun; /* [2][m][v]: a receive of (activation or gradient, micro, chunk) was begun */
     int ahead;            /* computations that ran while a receive begun before them was still in flight */
 } pipe_ok;
@@ -1274,8 +1320,9 @@ static void ok_computing(pipe_ok *ps) {
 
 /* The input of (micro, chunk) must hold what its sender put there. */
 static dsk_status ok_check(pipe_ok *ps, int grad, int micro, int chunk) {
-    int s = chunk * ps->p + ps->c->rank, from = grad ? s + 1 : s - 1;
+    int r = ps->c->rank, s = ps->vshape && chunk ? 2 * ps->p - 1 - r : chunk * ps->p + r, from = grad ? s + 1 : s - 1;
     if (from < 0 || from >= ps->p * ps->v) return DSK_OK;
+    if (owner(from, ps->p, ps->vshape ? DSK_PAR_DUALPIPE_V : DSK_PAR_INTERLEAVED) == r) return DSK_OK; /* local */
     gen(ps->want, ps->len, msg_tag(grad, micro, from));
     if (memcmp(ps->want, ok_slot(ps, 2 * grad, micro, chunk), (size_t)ps->len * sizeof(float)) != 0)
         return dsk_set_error(DSK_ERR_CORRUPT, "%s of micro %d chunk %d holds the wrong message",
@@ -1304,15 +1351,17 @@ static void rank_pipe_ok(dsk_comm *c, void *arg) {
     dsk_par_schedule s;
     dsk_par_stage_fns fns;
     /* chunks; 0 unpaired, 1 paired, 2 paired with forward_backward; 1 + the rank that computes slowly, or 0;
-       floats a message, 0: 64 */
+       floats a message, 0: 64; 1: DualPipeV (2 chunks) */
     const int *how = (const int *)arg;
     int v = how[0], want = 0;
+    dsk_par_schedule_kind kind = how[4] ? DSK_PAR_DUALPIPE_V : v > 1 ? DSK_PAR_INTERLEAVED : DSK_PAR_1F1B;
     memset(&ps, 0, sizeof ps);
     ps.c = c;
     ps.p = c->world_size;
     ps.m = 2 * c->world_size;
     ps.v = v;
     ps.slow = how[2] == c->rank + 1;
+    ps.vshape = how[4];
     ps.len = how[3] ? how[3] : 64;
     ps.slot = falloc((int64_t)4 * ps.m * v * ps.len);
     ps.want = falloc(ps.len);
@@ -1323,10 +1372,8 @@ static void rank_pipe_ok(dsk_comm *c, void *arg) {
     fns.backward = ok_backward;
     fns.buffer = ok_buffer;
     if (how[1] == 2) fns.forward_backward = ok_pair;
-    if (how[1])
-        DSK_TEST_OK(
-            dsk_par_schedule_init_paired(&s, v > 1 ? DSK_PAR_INTERLEAVED : DSK_PAR_1F1B, ps.p, ps.m, v, c->rank));
-    else DSK_TEST_OK(dsk_par_schedule_init(&s, v > 1 ? DSK_PAR_INTERLEAVED : DSK_PAR_1F1B, ps.p, ps.m, v, c->rank));
+    if (how[1]) DSK_TEST_OK(dsk_par_schedule_init_paired(&s, kind, ps.p, ps.m, v, c->rank));
+    else DSK_TEST_OK(dsk_par_schedule_init(&s, kind, ps.p, ps.m, v, c->rank));
     DSK_TEST_OK(dsk_par_pipeline_run(&s, c, NULL, &fns));
     for (int i = 0; i < s.n && how[1] == 2; i++) want += s.actions[i].kind == DSK_PAR_FORWARD_BACKWARD;
     DSK_TEST_EXPECT(ps.pairs == want, "rank %d: %d forward_backward calls, the list has %d", c->rank, ps.pairs, want);
@@ -1365,8 +1412,10 @@ static void rank_pipe_no_buffer(dsk_comm *c, void *arg) {
 }
 
 static void test_pipeline_runs(void) {
-    int v1[4] = {1, 0, 0, 0}, v2[4] = {2, 0, 0, 0}, p1[4] = {1, 2, 0, 0}, p2[4] = {2, 2, 0, 0}, p0[4] = {2, 1, 0, 0};
-    int ahead[4] = {2, 0, 1, 0}, large[4] = {2, 0, 0, 100003}, large_slow[4] = {2, 0, 1, 100003};
+    int v1[5] = {1, 0, 0, 0, 0}, v2[5] = {2, 0, 0, 0, 0}, p1[5] = {1, 2, 0, 0, 0}, p2[5] = {2, 2, 0, 0, 0};
+    int p0[5] = {2, 1, 0, 0, 0}, ahead[5] = {2, 0, 1, 0, 0}, large[5] = {2, 0, 0, 100003, 0};
+    int large_slow[5] = {2, 0, 1, 100003, 0}, dv[5] = {2, 0, 0, 0, 1}, dv_pair[5] = {2, 2, 0, 0, 1};
+    int dv_slow[5] = {2, 1, 2, 100003, 1};
     dsk_test_begin("pipeline executor: 1F1B on 4 ranks, to the end");
     expect_ranks_ok(4, rank_pipe_ok, v1);
     dsk_test_begin("pipeline executor: interleaved (2 chunks) on 3 ranks, to the end");
@@ -1381,6 +1430,13 @@ static void test_pipeline_runs(void) {
     dsk_test_begin("pipeline executor: paired interleaved on 3 ranks, pairs by forward_backward and without it");
     expect_ranks_ok(3, rank_pipe_ok, p2);
     expect_ranks_ok(3, rank_pipe_ok, p0);
+    dsk_test_begin("pipeline executor: dualpipev (the V: chunk 1 back up the ranks) on 3 ranks, to the end");
+    expect_ranks_ok(3, rank_pipe_ok, dv);
+    expect_ranks_ok(1, rank_pipe_ok, dv);
+    dsk_test_begin("pipeline executor: paired dualpipev on 4 ranks by forward_backward; on 2 ranks, rank 1 slow, "
+                   "messages larger than a ring, pairs without it");
+    expect_ranks_ok(4, rank_pipe_ok, dv_pair);
+    expect_ranks_ok(2, rank_pipe_ok, dv_slow);
     dsk_test_begin("pipeline executor: a buffer callback without memory fails its action on 2 ranks");
     expect_ranks_ok(2, rank_pipe_no_buffer, NULL);
     dsk_test_end();

@@ -157,7 +157,7 @@ printf '{"tp": 1, "pp": 1, "dp": 2, "ep": 1, "micro_batches": 1, "virtual_stages
 sed 's/"seq": 32/"seq": 32, "zero": 1, "speed": 3/' "$work/nozero.json" >"$work/unknown.json"
 sed 's/"seq": 32/"seq": 32, "zero": 1/; s/"1f1b"/"2f2b"/' "$work/nozero.json" >"$work/sched.json"
 sed 's/"seq": 32/"seq": 32, "zero": 1/; s/"f32"/"f16"/' "$work/nozero.json" >"$work/moments.json"
-for c in 'nozero:missing field "zero"' 'unknown:unknown field "speed"' 'sched:"pp_schedule" "2f2b": gpipe, 1f1b or interleaved' \
+for c in 'nozero:missing field "zero"' 'unknown:unknown field "speed"' 'sched:"pp_schedule" "2f2b": gpipe, 1f1b, interleaved or dualpipev' \
     'moments:"moments" "f16": f32 or bf16'; do
     f=${c%%:*} msg=${c#*:}
     "$BIN" "${TINY[@]}" --plan "$work/$f.json" >"$work/$f.out" 2>&1
