@@ -261,7 +261,7 @@ static void setup_comm(trainer *t) {
     t->par.paired = o->pair_micro;
     CHECK(dsk_par_schedule_parse(o->pp_schedule, &t->par.kind)); /* refuse_layout checked it */
     t->par.M = o->micro;
-    t->par.v = o->vstages;
+    t->par.v = t->par.kind == DSK_PAR_DUALPIPE_V ? 2 : o->vstages; /* the V: stages r and 2 pp - 1 - r */
     t->par.embed_group = o->mtp > 0; /* the last stage's copy of the embedding (train_par.h) */
     if (t->have_comm) {
         dsk_par_dims d;

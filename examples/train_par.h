@@ -44,7 +44,9 @@
      tensor drawn from the same counter offset, then the rank's box: tp_places gives the engine
      both), MoE layers their own streams; so any layout starts from the one-rank model's weights.
    Pipeline: the layers split into pp * v contiguous global stages (v virtual stages for the
-     interleaved schedule); rank r runs stages c pp + r. The embedding is on global stage 0, the
+     interleaved schedule, 2 for dualpipev); rank r runs stages c pp + r (dualpipev: r and 2 pp - 1 - r,
+     the stage after pp - 1 on the same rank, whose activation and gradient the chunks hand over in
+     memory: tp_local_neighbour). The embedding is on global stage 0, the
      final norm, LM head and loss on the last; the residual stream (N/tp, D) of a micro-batch
      travels between stages by send/receive of the executor. Activations of in-flight
      micro-batches sit in slots (micro mod the schedule's in-flight bound), and so do an MoE
@@ -544,7 +546,7 @@ static dsk_status tp_grid_init(tp_state *ps, dsk_comm *world, const dsk_par_dims
     ps->ep = d->ep;
     TM_TRY(dsk_comm_split(world, at->pp, world->rank, &ps->stage));
     TM_TRY(dsk_comm_split(world, at->pp * d->ep + at->ep, world->rank, &ps->xrep));
-    if (!ps->embed_group || d->pp < 2) return DSK_OK;
+    if (!ps->embed_group || d->pp < 2 || ps->kind == DSK_PAR_DUALPIPE_V) return DSK_OK; /* the V: both on pp 0 */
     int ends = at->pp == 0 || at->pp == d->pp - 1;
     return dsk_comm_split(world, ends ? at->tp : DSK_COMM_NO_COLOR, world->rank, &ps->embg);
 }
@@ -568,7 +570,7 @@ static dsk_status tp_model_declare(tp_state *ps, tm_model *m, dsk_ctx *ctx, cons
     tp_split_layers(cfg, P, bound);
     for (int c = 0; c < ps->v; c++) {
         tp_chunk *ch = &ps->chunks[c];
-        ch->stage = c * ps->pp + r;
+        ch->stage = dsk_par_stage(ps->kind, ps->pp, c, r);
         ch->lo = bound[ch->stage];
         ch->hi = bound[ch->stage + 1];
         if (ch->stage == 0) ps->first = c;
@@ -584,7 +586,7 @@ static dsk_status tp_model_declare(tp_state *ps, tm_model *m, dsk_ctx *ctx, cons
     ps->Dl = ps->Hl * ps->Dh;
     ps->Fl = cfg->ffn_hidden / ps->tp;
     ps->Vl = cfg->vocab / ps->tp;
-    ps->embed_copy = cfg->mla.mtp_depth > 0 && ps->pp > 1;
+    ps->embed_copy = cfg->mla.mtp_depth > 0 && ps->pp > 1 && ps->kind != DSK_PAR_DUALPIPE_V; /* the V ends at home */
     if (ps->embed_copy && !ps->embed_group)
         return dsk_set_error(DSK_ERR_ARG, "tp_model_init: --mtp under --pp needs embed_group set before tp_grid_init");
     if (ps->paired) TM_TRY(dsk_par_schedule_init_paired(&ps->sched, ps->kind, ps->pp, ps->M, ps->v, r));

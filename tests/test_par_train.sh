@@ -30,7 +30,8 @@
 #   --recompute attn|full under tp2 x pp2 bit for bit as without, with fewer activation bytes;
 #   --pair-micro-batches (pp2 x ep2, interleaved with ZeRO-2 in fp16, an MTP head reached while the
 #   backward is in a block, tp2 x pp2 with MLA, on the emulated GPU over nccl) bit for bit as without,
-#   and on one stage as --accum;
+#   and on one stage as --accum; --pp-schedule dualpipev (pp2, pp4, paired pp2 x ep2 at ZeRO-1 in bf16) bit for
+#   bit as interleaved with 2 virtual stages;
 #   the grid and the bubble are printed; unsupported combinations fail with a message.
 # Routing is replayed: the one-rank reference writes every MoE decision (--routing-record: each
 #   step's, validation's and sampled token's top-k experts per layer and token) and every layout
@@ -510,10 +511,56 @@ resume_case tp2pp2z1 4 "--tp 2 --pp 2 --micro-batches 2 --zero 1" dp4 4 ""
 resume_case dp4z3 4 "--zero 3" tp2dp2z1 4 "--tp 2 --zero 1"
 resume_case one 1 "" pp2ep2dp2z1 8 "--pp 2 --ep 2 --micro-batches 2 --zero 1"
 
-# The sections from here to the recompute check (the emulated GPU, the objective, PowerSGD) and
+# The sections from here to the recompute check (DualPipeV, the emulated GPU, the objective, PowerSGD) and
 # those after it (memory, a killed rank, bad input) test no CPU kernel: run_tests.sh re-runs this
 # script under each other ISA with ISA_RERUN=1, which keeps only the numeric comparisons.
 if [ -z "${ISA_RERUN:-}" ]; then
+# --pp-schedule dualpipev (DeepSeek's DualPipeV: rank r holds stages r and 2 pp - 1 - r, chunk 1 runs back up the
+# ranks and the turn at the last rank hands over in memory): the same stages' layers as interleaved with 2 virtual
+# stages, each chunk's forwards and backwards in micro-batch order, so every logged number, the validation and the
+# sample equal the interleaved run's bit for bit; unpaired at pp2 (f32) and pp4 (8 layers, 8 micro-batches), paired
+# as pp2 x ep2 at ZeRO-1 in bf16 with the exchanges overlapped; at pp2 its pipeline sends are 2/3 of interleaved's
+# (the turn sends nothing).
+pp_bytes() { # the step records' pp_send_bytes of the first step
+    $PYS -c "import json, sys; print([r for r in map(json.loads, open(sys.argv[1])) if r['type'] == 'step'][0]['pp_send_bytes'])" "$work/$1.jsonl" 2>/dev/null
+}
+for spec in "pp2|--nproc 2 --pp 2 --micro-batches 4 --sample-len 40" \
+            "pp4|--nproc 4 --pp 4 --layers 8 --micro-batches 8" \
+            "pp2ep2|--nproc 4 --pp 2 --ep 2 --micro-batches 4 --zero 1 --dtype bf16 --ep-overlap on --pair-micro-batches"; do
+    name=${spec%%|*}
+    # shellcheck disable=SC2086
+    run "dpv_${name}_il" "${TINY[@]}" --steps 6 ${spec#*|} --pp-schedule interleaved --virtual-stages 2 \
+        --log "$work/dpv_${name}_il.jsonl"
+    # shellcheck disable=SC2086
+    run "dpv_${name}_v" "${TINY[@]}" --steps 6 ${spec#*|} --pp-schedule dualpipev --log "$work/dpv_${name}_v.jsonl"
+    a=$(fields "dpv_${name}_il")
+    bi=$(pp_bytes "dpv_${name}_il") bv=$(pp_bytes "dpv_${name}_v")
+    what="--pp-schedule dualpipev, ${spec#*|}: every logged number and the sample equal interleaved's bit for bit"
+    what="$what (pipeline sends $bv against $bi bytes a step)"
+    if [ "$(rc "dpv_${name}_il")$(rc "dpv_${name}_v")" = 00 ] && [ "$(echo "$a" | grep -c '^step')" -eq 6 ] &&
+       [ "$a" = "$(fields "dpv_${name}_v")" ] && [ "$(sample "dpv_${name}_il")" = "$(sample "dpv_${name}_v")" ] &&
+       grep -qF 'pipeline dualpipev' "$work/dpv_${name}_v.out" &&
+       { [ "$name" != pp2 ] || [ "$((3 * ${bv:-0}))" -eq "$((2 * ${bi:-1}))" ]; }; then
+        ok "$what"
+    else
+        bad "$what" "exit $(rc "dpv_${name}_il")/$(rc "dpv_${name}_v")" \
+            "$(diff <(echo "$a") <(fields "dpv_${name}_v") | head -4)"
+    fi
+done
+# With an MTP module the V holds the last stage beside the embedding, so the embedding's two gradients add on one
+# rank micro-batch by micro-batch instead of as two sums across the embedding group: another order, within 1e-5
+# (routing replayed from one rank's record, so that no near-tie decides).
+run dpv_mtp_one "${TINY[@]}" --steps 6 --mtp 1 --routing-record "$work/dpv_routes.bin"
+for kind in interleaved dualpipev; do
+    run "dpv_mtp_$kind" "${TINY[@]}" --steps 6 --nproc 2 --pp 2 --micro-batches 4 --mtp 1 --pp-schedule "$kind" \
+        --virtual-stages 2 --routing-replay "$work/dpv_routes.bin" --log "$work/dpv_mtp_$kind.jsonl"
+done
+loss=$( [ "$(rc dpv_mtp_one)$(rc dpv_mtp_interleaved)$(rc dpv_mtp_dualpipev)" = 000 ] &&
+       compare_losses dpv_mtp_interleaved dpv_mtp_dualpipev 6)
+what="--pp-schedule dualpipev --mtp 1 as pp2 (the MTP module beside the embedding) logs interleaved's losses within 1e-5"
+if within "$loss" 1e-5; then ok "$what (worst $loss)"
+else bad "$what" "exit $(rc dpv_mtp_one)/$(rc dpv_mtp_interleaved)/$(rc dpv_mtp_dualpipev), loss $loss"; fi
+
 # ---- the CUDA path on the emulated GPU (tests/cuda_emu: CUDA, cuBLAS and NCCL on the CPU): tp2 x pp2
 #      over the nccl backend (device buffers in every mapping, send and receive) matches one emulated GPU,
 #      in f32 and in bf16
@@ -533,6 +580,20 @@ else
         ok "tp2 x pp2 on the emulated GPU (nccl backend) matches one emulated GPU over 6 steps within 1e-5 (worst $loss)"
     else
         bad "tp2 x pp2 on the emulated GPU matches one emulated GPU" "exit $e1/$e4, loss $loss" "$(grep -E 'rank|error' "$work/emu4.out" | tail -3)"
+    fi
+    # --pp-schedule dualpipev over nccl (the turn's hand-over in device memory): interleaved's numbers bit for bit
+    for kind in interleaved dualpipev; do
+        timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMU[@]}" --nproc 2 --pp 2 --micro-batches 4 --pp-schedule "$kind" \
+            --virtual-stages 2 --log "$work/emuv_$kind.jsonl" >"$work/emuv_$kind.out" 2>&1
+        echo $? >"$work/emuv_$kind.rc"
+    done
+    a=$(fields emuv_interleaved)
+    what="--pp-schedule dualpipev as pp2 on the emulated GPU logs interleaved's numbers bit for bit"
+    if [ "$(rc emuv_interleaved)$(rc emuv_dualpipev)" = 00 ] && [ "$(echo "$a" | grep -c '^step')" -eq 6 ] &&
+       [ "$a" = "$(fields emuv_dualpipev)" ] && grep -q "pipeline dualpipev" "$work/emuv_dualpipev.out"; then
+        ok "$what"
+    else
+        bad "$what" "exit $(rc emuv_interleaved)/$(rc emuv_dualpipev)" "$(diff <(echo "$a") <(fields emuv_dualpipev) | head -4)"
     fi
     # and in bf16 (nccl's bf16 gathers, scatters and sends, the CUDA cross-entropy on bf16 logits),
     # within twice one emulated GPU's bf16-to-f32 distance as in the CPU cases above
@@ -779,7 +840,9 @@ expect_fail pair_full '--pair-micro-batches runs without --recompute full' "${TI
 expect_fail micro_divide '--micro-batches 3 must divide the 8 sequences' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 3
 expect_fail virtual_kind '--virtual-stages 2 needs --pp-schedule interleaved' "${TINY[@]}" --nproc 2 --pp 2 --virtual-stages 2
 expect_fail interleaved_m 'interleaved needs --micro-batches \(3\) to be a multiple of --pp 2' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule interleaved --micro-batches 3
-expect_fail bad_schedule '--pp-schedule "zigzag": use gpipe, 1f1b or interleaved' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule zigzag
+expect_fail dpv_micro 'dualpipev needs --micro-batches 4 or more \(2 x --pp 2\), not 2' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule dualpipev --micro-batches 2
+expect_fail dpv_virtual 'dualpipev runs 2 stages a rank \(a V\), not --virtual-stages 3' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule dualpipev --virtual-stages 3 --micro-batches 4
+expect_fail bad_schedule '--pp-schedule "zigzag": use gpipe, 1f1b, interleaved or dualpipev' "${TINY[@]}" --nproc 2 --pp 2 --pp-schedule zigzag
 expect_fail routes_topk 'holds top_k 2 decisions, the model takes top_k 3' "${TINY[@]}" --top-k 3 "${REC[@]}"
 expect_fail routes_missing 'no decision recorded for phase 0 step 30 sub 0' "${TINY[@]}" --steps 31 "${REC[@]}"
 expect_fail routes_file 'routing replay: cannot open' "${TINY[@]}" --routing-replay "$work/no_such_file"

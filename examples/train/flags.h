@@ -137,10 +137,11 @@
       "does); the same bits") \
     X(INT, 0, tp, "--tp", 1, "tensor-parallel ranks (heads, FFN and vocabulary split; sequence parallel norms)") \
     X(INT, 0, pp, "--pp", 1, "pipeline stages (the blocks split into contiguous stages)") \
-    X(BUF, 16, pp_schedule, "--pp-schedule", "1f1b", "gpipe | 1f1b | interleaved") \
+    X(BUF, 16, pp_schedule, "--pp-schedule", "1f1b", \
+      "gpipe | 1f1b | interleaved | dualpipev (DeepSeek's V: 2 stages a rank)") \
     X(INT, 0, micro, "--micro-batches", 1, \
       "pipeline micro-batches per step (divides the sequences per data-parallel rank)") \
-    X(INT, 0, vstages, "--virtual-stages", 1, "stages per pipeline rank (--pp-schedule interleaved)") \
+    X(INT, 0, vstages, "--virtual-stages", 1, "stages per pipeline rank (--pp-schedule interleaved; dualpipev: 2)") \
     X(FLAG, 0, pair_micro, "--pair-micro-batches", 0, \
       "run each steady forward with the backward after it, interleaved at the MoE layers: one micro-batch's expert " \
       "exchange travels while the other computes (--ep-overlap on or chunked); more activations in flight; with " \

@@ -668,7 +668,16 @@ static dsk_tensor tp_stream_out(tp_state *ps, const tp_stream *st) {
     return st->chunk == ps->last ? ps->xf : tp_part(&ch->out_act, st->micro, ps->Ns);
 }
 
-/* The forward's input of the chunk: the embedding (its unit), or the received activation. */
+/* This rank's chunk holding the stage before (dir -1) or after (+1) chunk c's when that stage is here too
+   (DualPipeV's turn on the last pipeline rank: no message, the other chunk's buffer), else -1. */
+static int tp_local_neighbour(const tp_state *ps, int c, int dir) {
+    int s = ps->chunks[c].stage + dir;
+    if (s < 0 || s >= ps->pp * ps->v || dsk_par_stage_rank(ps->kind, ps->pp, s) != ps->grid.at.pp) return -1;
+    return s / ps->pp;
+}
+
+/* The forward's input of the chunk: the embedding (its unit), the received activation, or the previous stage's
+   output on this rank. */
 static dsk_status tp_forward_start(tp_state *ps, const tp_stream *st) {
     tm_model *m = ps->m;
     const tp_chunk *ch = &ps->chunks[st->chunk];
@@ -681,15 +690,17 @@ static dsk_status tp_forward_start(tp_state *ps, const tp_stream *st) {
         if (ps->train && m->cfg.mla.mtp_depth > 0 && ps->last >= 0) TM_TRY(tp_mtp_embed(ps, st->micro)); /* MTP's */
         return tm_unit(m, 0, TM_FWD_END);
     }
-    dsk_tensor in = tp_part(&ch->in_act, st->micro, ps->Ns);
+    int from = tp_local_neighbour(ps, st->chunk, -1);
+    dsk_tensor in = tp_part(from >= 0 ? &ps->chunks[from].out_act : &ch->in_act, st->micro, ps->Ns);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &x0, &in));
     return DSK_OK;
 }
 
-/* The backward's start: the engine's pass and d(chunk output). */
+/* The backward's start: the engine's pass and d(chunk output), received or the next stage's on this rank. */
 static dsk_status tp_backward_start(tp_state *ps, const tp_stream *st) {
     tm_model *m = ps->m;
-    dsk_tensor og = tp_part(&ps->chunks[st->chunk].out_grad, st->micro, ps->Ns);
+    int from = tp_local_neighbour(ps, st->chunk, 1);
+    dsk_tensor og = tp_part(from >= 0 ? &ps->chunks[from].in_grad : &ps->chunks[st->chunk].out_grad, st->micro, ps->Ns);
     TM_TRY(tp_pass(ps, st->chunk, st->micro));
     TM_T(TM_PH_MOVE, dsk_tensor_copy(ps->ctx, &ps->dx, &og));
     return DSK_OK;
@@ -945,8 +956,9 @@ static dsk_status tp_train_batch(tp_state *ps, float gscale, double *loss) {
 
 /* Forward only (validation, sampling): the first n micro-batches through the stages in order,
    micro-batch by micro-batch and chunk by chunk (each rank's list is a projection of one global
-   order, so blocking sends cannot deadlock). *loss: their mean loss on the last stage, else 0;
-   the last stage keeps the last micro-batch's logits (ps->logits, this rank's vocabulary). */
+   order, so blocking sends cannot deadlock; DualPipeV's chunk 1 runs back up the ranks). *loss: their
+   mean loss on the last stage, else 0; the last stage keeps the last micro-batch's logits (ps->logits,
+   this rank's vocabulary). */
 static dsk_status tp_eval_batch(tp_state *ps, int n, double *loss) {
     dsk_comm *pp = &ps->grid.pp;
     int r = ps->grid.at.pp, P = ps->pp * ps->v;
@@ -956,11 +968,11 @@ static dsk_status tp_eval_batch(tp_state *ps, int n, double *loss) {
         for (int c = 0; c < ps->v; c++) {
             tp_chunk *ch = &ps->chunks[c];
             dsk_tensor in = tp_part(&ch->in_act, mi, ps->Ns), out = tp_part(&ch->out_act, mi, ps->Ns);
-            if (ch->stage > 0)
-                TM_TRY(dsk_comm_recv(pp, ps->ctx, in.data, dsk_tensor_numel(&in), in.dtype, (r + ps->pp - 1) % ps->pp));
+            int prev = ch->stage > 0 ? dsk_par_stage_rank(ps->kind, ps->pp, ch->stage - 1) : r;
+            int next = ch->stage < P - 1 ? dsk_par_stage_rank(ps->kind, ps->pp, ch->stage + 1) : r;
+            if (prev != r) TM_TRY(dsk_comm_recv(pp, ps->ctx, in.data, dsk_tensor_numel(&in), in.dtype, prev));
             TM_TRY(tp_forward_chunk(ps, mi, c));
-            if (ch->stage < P - 1)
-                TM_TRY(dsk_comm_send(pp, ps->ctx, out.data, dsk_tensor_numel(&out), out.dtype, (r + 1) % ps->pp));
+            if (next != r) TM_TRY(dsk_comm_send(pp, ps->ctx, out.data, dsk_tensor_numel(&out), out.dtype, next));
         }
     *loss = ps->last >= 0 ? ps->loss_sum / n : 0.0;
     return DSK_OK;

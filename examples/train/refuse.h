@@ -126,8 +126,13 @@ static void refuse_layout(const trainer *t) {
         fail(t, "--pair-micro-batches runs without --recompute full: a recomputed block's MoE layer keeps one forward, "
                 "which the other micro-batch of a pair would replace");
     if (dsk_par_schedule_parse(o->pp_schedule, &kind) != DSK_OK)
-        fail(t, "--pp-schedule \"%s\": use gpipe, 1f1b or interleaved", o->pp_schedule);
-    if (o->vstages > 1 && kind != DSK_PAR_INTERLEAVED)
+        fail(t, "--pp-schedule \"%s\": use gpipe, 1f1b, interleaved or dualpipev", o->pp_schedule);
+    if (kind == DSK_PAR_DUALPIPE_V && o->vstages > 2)
+        fail(t, "--pp-schedule dualpipev runs 2 stages a rank (a V), not --virtual-stages %d", o->vstages);
+    if (kind == DSK_PAR_DUALPIPE_V && o->micro < 2 * o->pp)
+        fail(t, "--pp-schedule dualpipev needs --micro-batches %d or more (2 x --pp %d), not %d", 2 * o->pp, o->pp,
+             o->micro);
+    if (o->vstages > 1 && kind != DSK_PAR_INTERLEAVED && kind != DSK_PAR_DUALPIPE_V)
         fail(t, "--virtual-stages %d needs --pp-schedule interleaved", o->vstages);
     if (kind == DSK_PAR_INTERLEAVED && o->micro % o->pp != 0)
         fail(t, "--pp-schedule interleaved needs --micro-batches (%d) to be a multiple of --pp %d", o->micro, o->pp);
