@@ -12,7 +12,8 @@
 # lasts at least its bytes over G, the rest slept on the calling thread, as a NIC moves bytes without the CPU; across
 # emulated hosts only the bytes between them take it, and the TCP layout puts each rank on a host of its own).
 # Usage: bash bench/bench_pair.sh [STEPS] [ROUNDS]   (default 12 steps, the first 2 warm-up; 3 rounds).
-# BENCH_ARGS="..." replaces the model flags (default: the trainer's default model). Not part of `make test`.
+# BENCH_ARGS="..." replaces the model flags (default: the trainer's default model); ONLY=REGEX keeps the layouts
+# whose name matches (e.g. ONLY=pp2 the pipeline schedules). Not part of `make test`.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -37,6 +38,10 @@ LAYOUTS=(
     "dp2 x ep2, 8 micro-batches|2|1|--ep 2 --accum 8 --batch 2|--ep 2 --micro-batches 8 --batch 16 --pair-micro-batches"
     "dp2 x ep2, 2 micro-batches, TCP|2|2|--ep 2 --accum 2 --batch 8|--ep 2 --micro-batches 2 --batch 16 --pair-micro-batches"
     "pp2 x ep2, 1f1b, m 4|4|1|--pp 2 --ep 2 --micro-batches 4|--pp 2 --ep 2 --micro-batches 4 --pair-micro-batches"
+    "pp2 x ep2, interleaved v2, m 4|4|1|--pp 2 --ep 2 --micro-batches 4 --pp-schedule interleaved --virtual-stages 2|--pp 2 --ep 2 --micro-batches 4 --pp-schedule interleaved --virtual-stages 2 --pair-micro-batches"
+    "pp2 x ep2, dualpipev, m 4|4|1|--pp 2 --ep 2 --micro-batches 4 --pp-schedule dualpipev|--pp 2 --ep 2 --micro-batches 4 --pp-schedule dualpipev --pair-micro-batches"
+    "pp2 x ep2, interleaved v2, m 8|4|1|--pp 2 --ep 2 --micro-batches 8 --pp-schedule interleaved --virtual-stages 2|--pp 2 --ep 2 --micro-batches 8 --pp-schedule interleaved --virtual-stages 2 --pair-micro-batches"
+    "pp2 x ep2, dualpipev, m 8|4|1|--pp 2 --ep 2 --micro-batches 8 --pp-schedule dualpipev|--pp 2 --ep 2 --micro-batches 8 --pp-schedule dualpipev --pair-micro-batches"
 )
 launch() { # RANKS HOSTS LOG ARGS...: one run; on HOSTS > 1 the ranks split over emulated hosts, rank 0's log
     local n=$1 hosts=$2 log=$3 port=$((29500 + RANDOM % 2000)) r rc=0; shift 3
@@ -73,6 +78,7 @@ i=0
 for spec in "${LAYOUTS[@]}"; do
     IFS='|' read -r name n hosts plain pair <<<"$spec"
     i=$((i + 1))
+    [[ $name =~ ${ONLY:-.} ]] || continue
     modes=("$plain --ep-overlap off" "$plain --ep-overlap on" "$plain --ep-overlap chunked" "$pair --ep-overlap on"
            "$pair --ep-overlap chunked")
     ms=("" "" "" "" "") c0="" fail=""
