@@ -332,7 +332,8 @@ DSK_API const char *dsk_par_schedule_name(dsk_par_schedule_kind kind); /* "gpipe
 DSK_API dsk_status dsk_par_schedule_parse(const char *name, dsk_par_schedule_kind *kind);
 DSK_API const char *dsk_par_action_name(dsk_par_action_kind kind); /* "forward", "send activation", ... */
 /* The global stage of chunk `chunk` on pipeline rank `rank` of `stages` (c p + r; DualPipeV's chunk 1: 2 p - 1 - r),
-   and the pipeline rank holding global stage `stage`. */
+   and the pipeline rank holding global stage `stage`; -1 for an unknown kind, stages < 1, a rank outside [0, stages),
+   a negative chunk or stage, or DualPipeV's past its 2 chunks and 2 p stages. */
 DSK_API int dsk_par_stage(dsk_par_schedule_kind kind, int stages, int chunk, int rank);
 DSK_API int dsk_par_stage_rank(dsk_par_schedule_kind kind, int stages, int stage);
 
@@ -1102,11 +1103,18 @@ DSK_API double dsk_par_bubble_fraction(dsk_par_schedule_kind kind, int stages, i
 }
 
 DSK_API int dsk_par_stage(dsk_par_schedule_kind kind, int stages, int chunk, int rank) {
-    return kind == DSK_PAR_DUALPIPE_V && chunk == 1 ? 2 * stages - 1 - rank : chunk * stages + rank;
+    int v = kind == DSK_PAR_DUALPIPE_V;
+    if ((int)kind < 0 || (int)kind > (int)DSK_PAR_DUALPIPE_V || stages < 1 || rank < 0 || rank >= stages || chunk < 0 ||
+        (v && chunk > 1))
+        return -1;
+    return v && chunk == 1 ? 2 * stages - 1 - rank : chunk * stages + rank;
 }
 
 DSK_API int dsk_par_stage_rank(dsk_par_schedule_kind kind, int stages, int stage) {
-    return kind == DSK_PAR_DUALPIPE_V && stage >= stages ? 2 * stages - 1 - stage : stage % stages;
+    int v = kind == DSK_PAR_DUALPIPE_V;
+    if ((int)kind < 0 || (int)kind > (int)DSK_PAR_DUALPIPE_V || stages < 1 || stage < 0 || (v && stage >= 2 * stages))
+        return -1;
+    return v && stage >= stages ? 2 * stages - 1 - stage : stage % stages;
 }
 
 /* Warm-up forwards of rank r (forwards before the first backward, steady state aside). */

@@ -265,9 +265,10 @@ DSK_API dsk_status dsk_plan_stages(const dsk_plan_model *m, const dsk_plan_clust
    meet in order (DSK_PAR_TRANSFERS_IN_ORDER). */
 DSK_API dsk_par_transfers dsk_plan_transfers(const dsk_plan_cluster *c, double message_bytes);
 /* What dsk_plan_stages times: a micro-batch's forward and backward of each global stage dsk_par_stage(schedule, pp,
-   k, s) (k pp + s; DualPipeV's V) (fwd_s, bwd_s: pp v each), stage s's compute, expert exchanges and tensor-parallel collectives (tp, every stage's taken as the
-   busiest's; NULL: none) over its chunks alike, the forward a third of its FLOPs without recomputation and half its
-   exchanges and collectives (each layer's run inside its passes, as its compute). */
+   k, s) (k pp + s; DualPipeV's V) (fwd_s, bwd_s: pp v each), stage s's compute, expert exchanges and
+   tensor-parallel collectives (tp, every stage's taken as the busiest's; NULL: none) over its chunks alike, the
+   forward a third of its FLOPs without recomputation and half its exchanges and collectives (each layer's run
+   inside its passes, as its compute). */
 DSK_API void dsk_plan_stage_times(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                   const dsk_plan_layout *l, const dsk_plan_tp *tp, const dsk_plan_flops *stages,
                                   double *fwd_s, double *bwd_s);

@@ -733,6 +733,11 @@ static void test_schedule_errors(void) {
                         dsk_par_stage(DSK_PAR_DUALPIPE_V, 4, 1, r));
         DSK_TEST_EXPECT(dsk_par_stage(DSK_PAR_INTERLEAVED, 4, 1, r) == 4 + r, "interleaved rank %d", r);
     }
+    DSK_TEST_EXPECT(
+        dsk_par_stage(DSK_PAR_DUALPIPE_V, 4, 2, 0) == -1 && dsk_par_stage(DSK_PAR_1F1B, 4, 0, 4) == -1 &&
+            dsk_par_stage(DSK_PAR_1F1B, 0, 0, 0) == -1 && dsk_par_stage((dsk_par_schedule_kind)9, 4, 0, 0) == -1 &&
+            dsk_par_stage_rank(DSK_PAR_DUALPIPE_V, 4, 8) == -1 && dsk_par_stage_rank(DSK_PAR_1F1B, 4, -1) == -1,
+        "a chunk, rank or stage out of range gives -1");
     for (int st = 0; st < 8; st++)
         DSK_TEST_EXPECT(
             dsk_par_stage(DSK_PAR_DUALPIPE_V, 4, st / 4, dsk_par_stage_rank(DSK_PAR_DUALPIPE_V, 4, st)) == st &&
