@@ -1051,9 +1051,14 @@ DSK_API dsk_status dsk_par_cross_entropy(dsk_comm *tp, dsk_ctx *ctx, dsk_tensor 
 
 /* ---------------------------------------------------------------- schedules: compute orders */
 
+/* Whether kind is one of the schedules. */
+static int dsk__par_kind_known(dsk_par_schedule_kind kind) {
+    return (int)kind >= 0 && (int)kind <= (int)DSK_PAR_DUALPIPE_V;
+}
+
 DSK_API const char *dsk_par_schedule_name(dsk_par_schedule_kind kind) {
     static const char *names[] = {"gpipe", "1f1b", "interleaved", "dualpipev"};
-    return (int)kind >= 0 && (int)kind <= (int)DSK_PAR_DUALPIPE_V ? names[kind] : "invalid";
+    return dsk__par_kind_known(kind) ? names[kind] : "invalid";
 }
 
 DSK_API dsk_status dsk_par_schedule_parse(const char *name, dsk_par_schedule_kind *kind) {
@@ -1074,8 +1079,7 @@ DSK_API const char *dsk_par_action_name(dsk_par_action_kind kind) {
 }
 
 static dsk_status dsk__par_sched_check(const char *fn, dsk_par_schedule_kind kind, int p, int m, int v, int r) {
-    if ((int)kind < 0 || (int)kind > (int)DSK_PAR_DUALPIPE_V)
-        return dsk_set_error(DSK_ERR_ARG, "%s: unknown schedule %d", fn, (int)kind);
+    if (!dsk__par_kind_known(kind)) return dsk_set_error(DSK_ERR_ARG, "%s: unknown schedule %d", fn, (int)kind);
     if (p < 1 || m < 1 || v < 1 || r < 0 || r >= p)
         return dsk_set_error(DSK_ERR_ARG, "%s: %s with %d stages, %d micro-batches, %d chunks, rank %d: need "
                              "positive sizes and 0 <= rank < stages", fn, dsk_par_schedule_name(kind), p, m, v, r);
@@ -1096,24 +1100,22 @@ static dsk_status dsk__par_sched_check(const char *fn, dsk_par_schedule_kind kin
 }
 
 DSK_API double dsk_par_bubble_fraction(dsk_par_schedule_kind kind, int stages, int micro, int chunks) {
-    int v = kind == DSK_PAR_INTERLEAVED && chunks > 1 ? chunks : 1;
+    /* DualPipeV: 2 (p - 1) unit steps of 4 m, as interleaved's at v = 2 */
+    int v = kind == DSK_PAR_DUALPIPE_V ? 2 : kind == DSK_PAR_INTERLEAVED && chunks > 1 ? chunks : 1;
     if (stages < 1 || micro < 1) return 0.0;
-    if (kind == DSK_PAR_DUALPIPE_V) v = 2; /* 2 (p - 1) unit steps of 4 m, as interleaved's at v = 2 */
     return (double)(stages - 1) / ((double)v * micro);
 }
 
 DSK_API int dsk_par_stage(dsk_par_schedule_kind kind, int stages, int chunk, int rank) {
     int v = kind == DSK_PAR_DUALPIPE_V;
-    if ((int)kind < 0 || (int)kind > (int)DSK_PAR_DUALPIPE_V || stages < 1 || rank < 0 || rank >= stages || chunk < 0 ||
-        (v && chunk > 1))
+    if (!dsk__par_kind_known(kind) || stages < 1 || rank < 0 || rank >= stages || chunk < 0 || (v && chunk > 1))
         return -1;
     return v && chunk == 1 ? 2 * stages - 1 - rank : chunk * stages + rank;
 }
 
 DSK_API int dsk_par_stage_rank(dsk_par_schedule_kind kind, int stages, int stage) {
     int v = kind == DSK_PAR_DUALPIPE_V;
-    if ((int)kind < 0 || (int)kind > (int)DSK_PAR_DUALPIPE_V || stages < 1 || stage < 0 || (v && stage >= 2 * stages))
-        return -1;
+    if (!dsk__par_kind_known(kind) || stages < 1 || stage < 0 || (v && stage >= 2 * stages)) return -1;
     return v && stage >= stages ? 2 * stages - 1 - stage : stage % stages;
 }
 

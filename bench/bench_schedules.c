@@ -19,7 +19,7 @@
 static double idle_units(dsk_par_schedule_kind kind, int p, int m, int paired, dsk_par_transfers tr) {
     double f[64], b[64], step;
     int v = kind == DSK_PAR_1F1B ? 1 : 2;
-    for (int s = 0; s < p * v; s++) f[s] = 3.0 - v, b[s] = 2.0 * (3.0 - v);
+    for (int s = 0; s < p * v; s++) f[s] = 2.0 / v, b[s] = 4.0 / v; /* a 1F1B stage is two chunks */
     BENCH_CHECK(dsk_par_schedule_time(kind, p, m, v, paired, tr, f, b, 0.0, &step));
     return step - 6.0 * m;
 }
