@@ -73,11 +73,12 @@
      by the optimizer step's bytes, so on a tie the f32 one ranks first and the table lists a bf16
      layout only when its f32 twin does not fit or is slower), FP8 GEMMs or not (when the model
      has FP8 FLOPs; the callback refuses what the trainer does not run in FP8), schedules 1F1B,
-     GPipe and interleaved (2 virtual stages, when the micro-batches are a multiple of pp) with one
-     sequence per micro-batch; without a pipeline, gradient accumulation of one sequence per
-     pass; with expert parallelism and 2 or more micro-batches, each of these unpaired and paired
-     (1F1B and interleaved, ZeRO 0-2, without full recomputation: what the trainer pairs; on one
-     stage the passes become paired micro-batches). dsk_plan_space narrows the set.
+     GPipe, interleaved (2 virtual stages, when the micro-batches are a multiple of pp) and
+     DualPipeV (when there are at least 2 pp micro-batches), with one sequence per micro-batch;
+     without a pipeline, gradient accumulation of one sequence per pass; with expert parallelism and
+     2 or more micro-batches, each of these unpaired and paired (all but GPipe, ZeRO 0-2, without
+     full recomputation: what the trainer pairs; on one stage the passes become paired
+     micro-batches). dsk_plan_space narrows the set.
    - The callback may refuse a layout (DSK_ERR_UNSUPPORTED: the trainer does not run it); it is
      left out.
    - Bad input is named: a cluster file's missing or malformed field by its key; a model that
@@ -153,7 +154,7 @@ typedef enum dsk_plan_recompute {
 typedef struct dsk_plan_layout {
     int tp, pp, dp, ep, zero;
     int micro;                      /* pp > 1 or paired: micro-batches per step; else pp 1: accumulation passes */
-    int vstages;                    /* interleaved: chunks per rank, else 1 */
+    int vstages;                    /* interleaved: chunks per rank; dualpipev: 2; else 1 */
     dsk_par_schedule_kind schedule; /* pp > 1 */
     dsk_plan_recompute recompute;
     dsk_dtype moments; /* AdamW's two moments: DSK_F32 or DSK_BF16 (DeepSeek-V3's; the masters stay f32) */
@@ -181,12 +182,16 @@ typedef struct dsk_plan_tp {
     double all_reduce, all_gather, reduce_scatter, calls;
 } dsk_plan_tp;
 
+#define DSK_PLAN_MAX_CHUNKS 16 /* a pipeline rank's chunks whose MoE layers dsk_plan_flops counts apart */
+
 /* Training FLOPs per token (forward and backward, the trainer's count): all of them, and of them the
    attention cores' (what recompute attn reruns) and the GEMMs' an FP8 layout runs in FP8; and the MoE
-   layers they hold (a stage's: its chunks' blocks). */
+   layers they hold (a stage's: its chunks' blocks), and of them each chunk's (all zero: not counted apart,
+   taken alike). */
 typedef struct dsk_plan_flops {
     double total, attn, fp8;
     int moe_layers;
+    int chunk_moe_layers[DSK_PLAN_MAX_CHUNKS];
 } dsk_plan_flops;
 
 typedef struct dsk_plan_job {
@@ -240,6 +245,7 @@ typedef struct dsk_plan_result {
     double pipe_s; /* a pipeline's compute and expert exchanges under its schedule, each stage at its own, the
                       bubble included (dsk_plan_stages; pp > 1) */
     int lead_moe_layers;        /* pipeline rank 0's MoE layers (its chunks'; the callback's flops of stage 0) */
+    int lead_chunk_moe_layers[DSK_PLAN_MAX_CHUNKS]; /* of them each of its chunks' (the callback's; zero: alike) */
     /* seconds per step: compute (with recomputation), the bubble, the exposed communication */
     double step_s, compute_s, bubble_s, tp_s, ep_s, pp_s, zero_s, zero_exposed_s;
     double ep_hidden_s; /* of ep_s, what travels beside the other micro-batch of a pair (paired layouts) */
@@ -549,26 +555,51 @@ static double dsk__plan_compute_s(const dsk_plan_cluster *c, const dsk_plan_job 
     return s;
 }
 
-/* Of the expert exchanges' ep_s, what a paired layout hides beside the other micro-batch of each pair. Pipeline
-   rank 0 (the most warm-up) runs 2 (p - 1) + (v - 1) p + 1 of its m v chunk forwards before its first pair
-   (dsk_par_schedule_init_paired; one on one stage) and as many backwards after its last, so a share (m v - w)
-   / (m v) of its chunk passes run in pairs. In a pair each stream's chunk has L MoE layers (rank 0's lead_moe
-   over its v chunks; the model's over p v when lead_moe is 0: unknown, or rank 0 holds only dense blocks and is
-   no proxy for the stages that pair), 2 L exchanges (dispatch and return), and every one
-   travels beside the other stream's compute but about one of each stream's: the pair's first, and where the
-   two streams meet in one layer (the trainer's counts: 10 of 12 at L = 3, 2 of 4 at L = 1), so (2 L - 1) /
-   (2 L) of them: of rank 0's 4 m v L exchanges, 2 (m v - w) (2 L - 1) paired, what the trainer logs
-   (tests/test_plan.sh). Hidden is at most the pairs' compute beside it. */
-static double dsk__plan_pair_hidden(const dsk_plan_model *m, const dsk_plan_layout *l, int lead_moe, double ep_s,
-                                    double compute_s) {
-    int p = l->pp, v = l->vstages > 0 ? l->vstages : 1, mv = l->micro * v;
-    int w = 2 * (p - 1) + (v - 1) * p + 1;
-    double L = (lead_moe > 0 ? (double)lead_moe : (double)m->moe_layers / p) / v, share, cross, hidden;
-    if (!l->paired || l->ep < 2 || w >= mv || L <= 0) return 0;
-    share = (double)(mv - w) / mv;
-    cross = L >= 1 ? (2 * L - 1) / (2 * L) : 0.5;
-    hidden = ep_s * share * cross;
-    return hidden < compute_s * share ? hidden : compute_s * share;
+/* Of a pair's exchanges, how many travel while the other stream computes (the trainer's count, train/par_run.h's
+   tp_pair_run): the backward (Lb MoE layers, 2 Lb exchanges: dispatch and return) leads, the forward (Lf) follows,
+   and each exchange begun travels beside the other stream's next part, so the shorter stream's 2 min(Lf, Lb) and
+   as many of the longer's, and one more when the backward is the longer (the forward's last part). A chunk's
+   forward paired with its own backward (1F1B and interleaved) meets it in one layer, where one call ends before
+   the other begins: 4 L - 2 of 4 L (the trainer's counts: 10 of 12 at L = 3, 2 of 4 at L = 1). Fractional L (the
+   stages' mean): the same rule at the mean, a one-chunk pair at L < 1 half of 4 L. */
+static double dsk__plan_pair_exchanges(double Lf, double Lb, int one_chunk) {
+    double lo = Lf < Lb ? Lf : Lb;
+    if (one_chunk) return Lf >= 1 ? 4 * Lf - 2 : 2 * Lf;
+    return 4 * lo + (Lb > Lf && Lb - Lf >= 1 ? 1 : 0);
+}
+
+/* Of the expert exchanges' ep_s, what a paired layout hides beside the other micro-batch of each pair:
+   pipeline rank 0's paired list (the most warm-up; one stage: its micro-batches) walked pair by pair, each
+   pair's travelling exchanges (dsk__plan_pair_exchanges) over the 4 m L its chunks' L MoE layers exchange in a
+   step, what the trainer logs (tests/test_plan.sh). L: rank 0's chunks' own counts (the callback's), else
+   lead_moe over its v chunks alike, else (lead_moe 0: unknown, or rank 0 holds only dense blocks and is no proxy
+   for the stages that pair) the model's over p v. Hidden is at most the compute of the pairs beside it. */
+static dsk_status dsk__plan_pair_hidden(const dsk_plan_model *m, const dsk_plan_layout *l, int lead_moe,
+                                        const int *chunk_moe, double ep_s, double compute_s, double *hidden) {
+    int p = l->pp, v = l->vstages > 0 ? l->vstages : 1, pairs = 0, counted = 0;
+    double L[DSK_PLAN_MAX_CHUNKS], all = 0, paired = 0;
+    dsk_par_schedule s;
+    *hidden = 0;
+    if (!l->paired || l->ep < 2 || v > DSK_PLAN_MAX_CHUNKS) return DSK_OK;
+    for (int c = 0; c < v; c++) counted += chunk_moe[c];
+    for (int c = 0; c < v; c++) {
+        L[c] = lead_moe > 0 && counted == lead_moe ? chunk_moe[c]
+               : lead_moe > 0                      ? (double)lead_moe / v
+                                                   : (double)m->moe_layers / (p * v);
+        all += 4.0 * l->micro * L[c];
+    }
+    if (!(all > 0)) return DSK_OK;
+    DSK__TRY(dsk_par_schedule_init_paired(&s, l->schedule, p, l->micro, v, 0));
+    for (int i = 0; i < s.n; i++) {
+        const dsk_par_action *a = &s.actions[i];
+        if (a->kind != DSK_PAR_FORWARD_BACKWARD) continue;
+        pairs++;
+        paired += dsk__plan_pair_exchanges(L[a->chunk], L[a->bwd_chunk], a->chunk == a->bwd_chunk);
+    }
+    dsk_par_schedule_free(&s);
+    *hidden = ep_s * paired / all;
+    if (*hidden > compute_s * pairs / (l->micro * v)) *hidden = compute_s * pairs / (l->micro * v);
+    return DSK_OK;
 }
 
 /* The expert exchanges of a rank holding L MoE layers per step: dispatch and combine, forward and backward, each
@@ -673,7 +704,12 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
                                  double grad_link_bytes, dsk_plan_result *r) {
     const dsk_plan_layout *l = &r->layout;
     int world = l->tp * l->pp * l->dp;
-    dsk_plan_flops model = {m->flops_per_token, m->attn_flops_per_token, m->fp8_flops_per_token, m->moe_layers};
+    dsk_plan_flops model;
+    memset(&model, 0, sizeof model);
+    model.total = m->flops_per_token;
+    model.attn = m->attn_flops_per_token;
+    model.fp8 = m->fp8_flops_per_token;
+    model.moe_layers = m->moe_layers;
     double mean_s = dsk__plan_compute_s(c, job, l, &model, world); /* the stages' mean */
     double busy_s;
     if (l->pp > 1 && !(r->pipe_s > 0))
@@ -688,7 +724,8 @@ DSK_API dsk_status dsk_plan_time(const dsk_plan_model *m, const dsk_plan_cluster
     /* what the schedule adds to the pace stage's busy time (its own bubble and its waits on the others) */
     busy_s = r->compute_s + r->ep_s + r->tp_s;
     r->bubble_s = l->pp > 1 && r->pipe_s > busy_s ? r->pipe_s - busy_s : 0;
-    r->ep_hidden_s = dsk__plan_pair_hidden(m, l, r->lead_moe_layers, r->ep_s, r->compute_s);
+    DSK__TRY(dsk__plan_pair_hidden(m, l, r->lead_moe_layers, r->lead_chunk_moe_layers, r->ep_s, r->compute_s,
+                                   &r->ep_hidden_s));
     r->pp_s = l->pp > 1 ? dsk__plan_link(c, l->tp * l->dp + 1, r->pp_bytes, 2.0 * l->micro * l->vstages) : 0;
     r->zero_s = grad_link_bytes > 0 ? dsk__plan_link(c, l->dp * l->tp, grad_link_bytes, 0) : 0;
     /* the reductions run beside the backward of the passes that reduce: ZeRO 0-1 the step's last micro-batch's */
@@ -749,7 +786,10 @@ static dsk_status dsk__plan_eval(const dsk_plan_model *m, const dsk_plan_cluster
         if ((st = m->memory(m->user, &r->layout, job, s, &mem, &rb, &gb, &lb, &sb, &tp, &fl)) != DSK_OK) break;
         if (sb > r->pp_bytes) r->pp_bytes = sb;
         stages[s] = fl;
-        if (s == 0) r->lead_moe_layers = fl.moe_layers;
+        if (s == 0) {
+            r->lead_moe_layers = fl.moe_layers;
+            memcpy(r->lead_chunk_moe_layers, fl.chunk_moe_layers, sizeof r->lead_chunk_moe_layers);
+        }
         if (dsk__plan_tp_total(&tp) > dsk__plan_tp_total(&r->tp)) r->tp = tp;
         tot = mem.params + mem.grads + mem.optimizer + mem.comm + mem.activations;
         if (tot > r->total) {
@@ -776,7 +816,7 @@ static int dsk__plan_ok(int want, int v) { return want == 0 || want == v; }
 static dsk_status dsk__plan_grid(const dsk_plan_model *m, const dsk_plan_cluster *c, const dsk_plan_job *job,
                                  const dsk_plan_space *sp, int tp, int pp, int dp, int ep, dsk__plan_list *L) {
     int64_t per = job->sequences / dp;
-    for (int sch = 0; sch < 3; sch++) {
+    for (int sch = 0; sch <= (int)DSK_PAR_DUALPIPE_V; sch++) {
         dsk_plan_result r;
         memset(&r, 0, sizeof r);
         r.layout.tp = tp;
@@ -784,11 +824,12 @@ static dsk_status dsk__plan_grid(const dsk_plan_model *m, const dsk_plan_cluster
         r.layout.dp = dp;
         r.layout.ep = ep;
         r.layout.micro = (int)per;
-        r.layout.vstages = sch == DSK_PAR_INTERLEAVED ? 2 : 1;
+        r.layout.vstages = sch == DSK_PAR_INTERLEAVED || sch == DSK_PAR_DUALPIPE_V ? 2 : 1;
         r.layout.schedule = (dsk_par_schedule_kind)sch;
         if (pp == 1 && sch != DSK_PAR_1F1B) continue; /* no pipeline: one entry */
         if (!dsk__plan_ok(sp->schedule_plus1, sch + 1) && pp > 1) continue;
         if (sch == DSK_PAR_INTERLEAVED && (per % pp || m->layers < 2 * pp)) continue;
+        if (sch == DSK_PAR_DUALPIPE_V && (per < 2 * pp || m->layers < 2 * pp)) continue;
         for (int k = 0; k < 96; k++) { /* ZeRO stage, recomputation, the moments' dtype, FP8, paired */
             int z = k / 6 % 4, rc = k / 2 % 3, f8 = k / 24 % 2, pair = k / 48;
             dsk_dtype md = k % 2 ? DSK_BF16 : DSK_F32;

@@ -155,6 +155,7 @@ static int check_layout(const trainer *t, dsk_plan_layout *l, dsk_plan_job *job)
     l->micro = o->pp > 1 || o->pair_micro ? o->micro : o->accum;
     l->paired = o->pair_micro;
     if (dsk_par_schedule_parse(o->pp_schedule, &l->schedule) != DSK_OK) return 2;
+    if (l->schedule == DSK_PAR_DUALPIPE_V) l->vstages = 2; /* the V, as train_moe sets it */
     l->recompute = !strcmp(o->recompute, "full")   ? DSK_PLAN_RECOMPUTE_FULL
                    : !strcmp(o->recompute, "attn") ? DSK_PLAN_RECOMPUTE_ATTN
                                                    : DSK_PLAN_RECOMPUTE_NONE;
@@ -190,6 +191,7 @@ static int check_time(const dsk_plan_model *pm, const char *cluster, const dsk_p
     memset(&r, 0, sizeof r);
     r.layout = *l;
     r.lead_moe_layers = stages[0].moe_layers;
+    memcpy(r.lead_chunk_moe_layers, stages[0].chunk_moe_layers, sizeof r.lead_chunk_moe_layers);
     r.mem = *mem;
     r.pp_bytes = send;
     plan_tp(tr, &r.tp);

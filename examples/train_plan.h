@@ -297,14 +297,19 @@ static void tpl_tp_traffic(tp_state *ps, double tr[TP_TRAFFIC]) {
    head and the MTP modules; and its chunks' MoE blocks (the first n_dense blocks are dense). */
 static dsk_plan_flops tpl_stage_flops(const tm_config *c, const tp_state *ps) {
     tmla_flops f = {0, 0, 0};
-    int moe = 0;
+    dsk_plan_flops out;
+    memset(&out, 0, sizeof out);
     for (int k = 0; k < (ps ? ps->v : 1); k++) {
-        int lo = ps ? ps->chunks[k].lo : 0, hi = ps ? ps->chunks[k].hi : c->n_layers;
+        int lo = ps ? ps->chunks[k].lo : 0, hi = ps ? ps->chunks[k].hi : c->n_layers, moe = 0;
         tmla_add_layers_flops(c, lo, hi, &f);
         for (int l = lo; l < hi; l++) moe += l >= c->n_dense;
+        out.moe_layers += moe;
+        if (k < DSK_PLAN_MAX_CHUNKS) out.chunk_moe_layers[k] = moe;
     }
     if (!ps || ps->last >= 0) tmla_add_tail_flops(c, &f);
-    dsk_plan_flops out = {f.total, f.attn, f.fp8, moe};
+    out.total = f.total;
+    out.attn = f.attn;
+    out.fp8 = f.fp8;
     return out;
 }
 

@@ -834,7 +834,7 @@ expect_fail pp_layers '--layers 4 cannot fill 8 pipeline stages' "${TINY[@]}" --
 expect_fail micro_no_pp '--micro-batches, --virtual-stages and --pp-schedule need --pp 2' "${TINY[@]}" --micro-batches 2
 expect_fail pair_one '--pair-micro-batches needs several ranks' "${TINY[@]}" --micro-batches 2 --pair-micro-batches
 expect_fail pair_m1 '--pair-micro-batches needs --micro-batches 2 or more' "${TINY[@]}" --nproc 2 --pp 2 --pair-micro-batches
-expect_fail pair_gpipe '--pair-micro-batches needs --pp-schedule 1f1b or interleaved' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 2 --pp-schedule gpipe --pair-micro-batches
+expect_fail pair_gpipe '--pair-micro-batches needs --pp-schedule 1f1b, interleaved or dualpipev' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 2 --pp-schedule gpipe --pair-micro-batches
 expect_fail pair_zero3 '--pair-micro-batches runs with --zero 0 to 2' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 2 --zero 3 --pair-micro-batches
 expect_fail pair_full '--pair-micro-batches runs without --recompute full' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 2 --recompute full --pair-micro-batches
 expect_fail micro_divide '--micro-batches 3 must divide the 8 sequences' "${TINY[@]}" --nproc 2 --pp 2 --micro-batches 3

@@ -36,8 +36,8 @@
 #   4. `train_moe --plan FILE` takes the layout of dsk_plan's JSON choice (its "rank grid" line), its moments,
 #      FP8 and pairing.
 #   5. Pairing (--pair-micro-batches) in the time model: the share of the expert exchanges the planner counts as
-#      hidden equals the share the trainer logs as paired (one stage, and a pipeline whose stages hold unequal MoE
-#      layers); the enumeration pairs only what the trainer pairs.
+#      hidden equals the share the trainer logs as paired (one stage, and pipelines under 1F1B, interleaved and
+#      DualPipeV, stages holding unequal MoE layers); the enumeration pairs only what the trainer pairs.
 # The step-time ranking against measured steps is bench/plan_rank.sh (not here: minutes, and a loaded
 # machine moves the measured order).
 # Prints `[test_plan] totals: P passed / F failed / S skipped`.
@@ -125,6 +125,10 @@ layout mla_fp8_mtp 1 --attn mla --q-lora-rank 16 --mtp 1 --dtype fp8
 layout tp2_mla_fp8_full 2 --tp 2 --attn mla --q-lora-rank 16 --dtype fp8 --recompute full
 # paired schedules (--pair-micro-batches): the larger in-flight bound, on a pipeline and on one stage
 layout pp2ep2_pair 4 --pp 2 --ep 2 --micro-batches 4 --pair-micro-batches --zero 1
+# DualPipeV: rank r holds stages r and 2 pp - 1 - r (the head beside the embedding), 2 pp + 1 chunks in flight
+layout pp2_dualpipev 2 --pp 2 --pp-schedule dualpipev --micro-batches 4
+layout pp2ep2_dualpipev_pair_bf16 4 --pp 2 --ep 2 --pp-schedule dualpipev --micro-batches 4 --pair-micro-batches \
+    --zero 1 --dtype bf16
 layout ep2_pair_one_stage 2 --ep 2 --micro-batches 2 --pair-micro-batches
 
 # ---- bad input
@@ -195,8 +199,10 @@ paper v3_2048 --cluster examples/clusters/h800_2048.json --init-from-hf tests/pl
 # trained it, with AdamW's moments in bf16 as DeepSeek kept them or in f32 (the trainer's FLOP-balanced split leaves
 # the last stage one layer beside the head and the MTP module: 49.2 GB of the 76 GB usable, 49.9 with f32 moments;
 # the even split needed 75.5), and is listed with why it lost: its expert exchanges, and 1F1B's bubble at 30
-# micro-batches over 16 stages, a third of its step (DualPipe, which hides both, is not dsk's). The table names the
-# f32-moments twin, the bf16 one being no faster.
+# micro-batches over 16 stages, a third of its step. DualPipeV is enumerated, and with its transfers in the lists'
+# order (NCCL's) it idles more than 1F1B at these micro-batch counts (bench_schedules); DualPipe's gains need the
+# split backward and a forward and backward truly overlapped on the device, which dsk does not run. The table names
+# the f32-moments twin, the bf16 one being no faster.
 if grep -qE '^[1-9][0-9]* of [0-9]* layouts fit' "$work/v3_2048.txt" &&
     grep -qE '^  tp1 pp16 1f1b m30 ep64 dp128 zero1 recompute full moments (bf16|f32) fp8 +[0-9.]+% slower' "$work/v3_2048.txt"; then
     ok "paper: V3 on 2048 x 80 GB: layouts fit; DeepSeek's (pp16 ep64 ZeRO-1 dp128, FP8) fits, listed with why it lost"
@@ -297,15 +303,21 @@ choice_field paired 's/"tp": [0-9]+, "pp": [0-9]+, "dp": [0-9]+, "ep": [0-9]+/"t
 # of --check-rank's time) the share the trainer logs as travelling beside the other micro-batch (ep_paired_exchanges
 # of rank 0's exchanges in the step: micro-batches x its MoE layers (--check-rank's stage 0) x 4, dispatch and
 # return forward and backward), on one stage with 2 and 4 micro-batches and on a pipeline whose first stage holds
-# fewer MoE layers than the mean (on devices of their own: a cluster without cores_per_node); and the enumeration
-# pairs only what the trainer pairs (expert parallelism, 1F1B or interleaved, ZeRO 0-2, no full recomputation)
+# fewer MoE layers than the mean, under 1F1B (a chunk's forward paired with its own backward), interleaved and
+# DualPipeV (one chunk's forward with another's backward; rank 0's chunks alike, and its first chunk dense) (on
+# devices of their own: a cluster without cores_per_node); and the enumeration pairs only what the trainer pairs
+# (expert parallelism, all schedules but GPipe, ZeRO 0-2, no full recomputation)
 sed -E '/"cores_per_node"/d; s/"overlap": ([0-9.]+),/"overlap": \1/' examples/clusters/cpu_8.json >"$work/cpu_dev.json"
+n_spec=0
 for spec in "dp2 x ep2, 2 paired micro-batches|2|--nproc 2 --ep 2 --micro-batches 2" \
     "dp2 x ep2, 4 paired micro-batches|4|--nproc 2 --ep 2 --micro-batches 4" \
-    "pp2 x ep2, 1f1b, 4 paired micro-batches|4|--nproc 4 --pp 2 --ep 2 --micro-batches 4"; do
+    "pp2 x ep2, 1f1b, 4 paired micro-batches|4|--nproc 4 --pp 2 --ep 2 --micro-batches 4" \
+    "pp2 x ep2, interleaved, 4 paired micro-batches|4|--nproc 4 --pp 2 --ep 2 --micro-batches 4 --pp-schedule interleaved --virtual-stages 2 --dense-layers 0" \
+    "pp2 x ep2, dualpipev, 4 paired micro-batches (a chunk of one MoE layer each)|4|--nproc 4 --pp 2 --ep 2 --micro-batches 4 --pp-schedule dualpipev --dense-layers 0" \
+    "pp2 x ep2, dualpipev, 4 paired micro-batches (rank 0's chunk 0 dense)|4|--nproc 4 --pp 2 --ep 2 --micro-batches 4 --pp-schedule dualpipev"; do
     IFS='|' read -r name m flags <<<"$spec"
     read -r -a P <<<"$flags --batch 8 --pair-micro-batches"
-    tag=pairs_${P[1]}_$m
+    tag=pairs_$((++n_spec))
     "$BIN" "${TINY[@]}" "${P[@]}" --log "$work/$tag.jsonl" >"$work/$tag.out" 2>&1
     "$PLAN" --device cpu --cluster "$work/cpu_dev.json" --check-rank 0 "${TINY[@]}" "${P[@]}" >"$work/${tag}_plan.out" 2>&1
     verdict=$($PYS - "$work/$tag.jsonl" "$work/${tag}_plan.out" "$m" <<'EOF'
@@ -340,6 +352,16 @@ done
 n_pair=$(grep -c ' paired ' "$work/pairs_all.txt")
 refused=' ep1 | gpipe | zero3 | recompute full | m1 '
 n_bad=$(grep ' paired ' "$work/pairs_all.txt" | grep -cE "$refused")
+# DualPipeV layouts: 2 chunks a rank and at least 2 pp micro-batches (what the trainer runs)
+n_v=$(grep -c ' dualpipev v2 ' "$work/pairs_all.txt")
+n_v_bad=$(grep ' dualpipev ' "$work/pairs_all.txt" |
+    awk '{ for (i = 1; i <= NF; i++) { if ($i ~ /^pp[0-9]+$/) p = substr($i, 3); if ($i ~ /^m[0-9]+$/) m = substr($i, 2) }
+           if ($0 !~ / dualpipev v2 / || m < 2 * p) n++ } END { print n + 0 }')
+if [ "$n_v" -gt 0 ] && [ "$n_v_bad" -eq 0 ]; then
+    ok "enumeration: $n_v DualPipeV layouts of 8 GPUs, each with 2 chunks a rank and at least 2 pp micro-batches"
+else
+    bad "enumeration: DualPipeV layouts" "$n_v listed, $n_v_bad without 2 chunks or with fewer than 2 pp micro-batches"
+fi
 if [ "$n_pair" -gt 0 ] && [ "$n_bad" -eq 0 ]; then
     ok "pairing: the enumeration pairs $n_pair layouts of 8 GPUs, each one the trainer pairs"
 else

@@ -137,7 +137,7 @@ static void test_no_pipeline(void) {
     dsk_plan_cluster c;
     dsk_plan_model m = model(0);
     dsk_plan_job job = {64, 4096};
-    dsk_plan_flops st = {6e9, 1e9, 0, 0};
+    dsk_plan_flops st = {6e9, 1e9, 0, 0, {0}};
     dsk_plan_result r;
     DSK_TEST_OK(dsk_plan_cluster_parse(&c, k_cluster, strlen(k_cluster), "test cluster"));
     memset(&r, 0, sizeof r);

@@ -118,7 +118,8 @@ static void refuse_layout(const trainer *t) {
         fail(t,
              "--pair-micro-batches needs --micro-batches 2 or more (it pairs one's forward with another's backward)");
     if (o->pair_micro && strcmp(o->pp_schedule, "gpipe") == 0)
-        fail(t, "--pair-micro-batches needs --pp-schedule 1f1b or interleaved: gpipe runs every forward first");
+        fail(t,
+             "--pair-micro-batches needs --pp-schedule 1f1b, interleaved or dualpipev: gpipe runs every forward first");
     if (o->pair_micro && o->zero == 3)
         fail(t, "--pair-micro-batches runs with --zero 0 to 2: at ZeRO-3 a forward opening a block's unit rebinds "
                 "its gathered weights into the MoE layer, which the pair's backward may still be using");
