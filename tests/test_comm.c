@@ -1468,7 +1468,9 @@ static void rank_victim(dsk_comm *c, void *argp) {
     DSK_TEST_EXPECT(st == DSK_ERR_PEER || st == DSK_ERR_TIMEOUT, "rank %d got %s", c->rank, dsk_status_str(st));
     DSK_TEST_ERROR_MENTIONS(name);
     DSK_TEST_ERROR_MENTIONS("dsk_comm_all_reduce");
-    DSK_TEST_EXPECT(dsk_test_now() - t0 < 1.0 + 1.0, "took %.2f s for a 1 s timeout", dsk_test_now() - t0);
+    /* the 1 s timeout bounds the wait, not the 300 s default; the slack is a loaded machine's (CI's 2 cores run
+       builds beside the suite: 1 s of slack failed there once) */
+    DSK_TEST_EXPECT(dsk_test_now() - t0 < 1.0 + 2.5, "took %.2f s for a 1 s timeout", dsk_test_now() - t0);
     DSK_TEST_STATUS(dsk_comm_all_reduce(c, NULL, x, x, a->count, DSK_F32, DSK_COMM_SUM), DSK_ERR_STATE);
     DSK_TEST_ERROR_MENTIONS("unusable after an earlier error");
     free(x);
