@@ -21,8 +21,10 @@
 # LINK_GBPS=G [LINK_US=U]: the ranking's runs on dsk_comm's emulated link (DSK_LINK_GBPS, DSK_LINK_LATENCY_US [100]),
 # predicted with the calibrated cluster's intra-node link set to it and "link_wait": 1 (its time a wait, no core's);
 # the calibration runs without it.
+# PLAN_LAYOUTS='FLAGS|FLAGS|...': ranks those layouts (4 ranks each) instead of the 8 (e.g. the pipeline schedules
+# of one layout, bench/RESULTS.md).
 # Usage: [FIELD=ms|cpu_ms] [CAL_FIELD=ms|cpu_ms] [STEPS=12] [ROUNDS=3] [LINK_GBPS=G [LINK_US=U]]
-#        [CALIBRATED=FILE] bash bench/plan_rank.sh [BUILD]
+#        [CALIBRATED=FILE] [PLAN_LAYOUTS=...] bash bench/plan_rank.sh [BUILD]
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -75,6 +77,7 @@ echo "calibration: 4 ranks (dp) on $cores cores, median step $ms ms ($CAL_FIELD)
 #    0, the rate per rank the calibration run measured)
 LAYOUTS=("--zero 0" "--zero 1" "--zero 3" "--ep 2 --zero 1" "--tp 2" "--tp 4" "--pp 2 --micro-batches 4"
          "--tp 2 --pp 2 --micro-batches 2")
+if [ -n "${PLAN_LAYOUTS:-}" ]; then IFS='|' read -r -a LAYOUTS <<<"$PLAN_LAYOUTS"; fi
 cp "$CALIBRATED" "$work/shared.json"
 if [ -n "${LINK_GBPS:-}" ]; then
     export DSK_LINK_GBPS=$LINK_GBPS DSK_LINK_LATENCY_US=${LINK_US:-100}
