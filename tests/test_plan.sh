@@ -356,7 +356,7 @@ n_bad=$(grep ' paired ' "$work/pairs_all.txt" | grep -cE "$refused")
 n_v=$(grep -c ' dualpipev v2 ' "$work/pairs_all.txt")
 n_v_bad=$(grep ' dualpipev ' "$work/pairs_all.txt" |
     awk '{ for (i = 1; i <= NF; i++) { if ($i ~ /^pp[0-9]+$/) p = substr($i, 3); if ($i ~ /^m[0-9]+$/) m = substr($i, 2) }
-           if ($0 !~ / dualpipev v2 / || m < 2 * p) n++ } END { print n + 0 }')
+           if ($0 !~ / dualpipev v2 / || m + 0 < 2 * p) n++ } END { print n + 0 }')
 if [ "$n_v" -gt 0 ] && [ "$n_v_bad" -eq 0 ]; then
     ok "enumeration: $n_v DualPipeV layouts of 8 GPUs, each with 2 chunks a rank and at least 2 pp micro-batches"
 else
