@@ -217,7 +217,7 @@ typedef struct dsk_plan_model {
        *tp: its tensor-parallel collectives per step (zero without tensor parallelism);
        *flops: the FLOPs per token of the stage's layers (all its chunks; the last's head and MTP
        modules too), all its tp ranks together, and its chunks' MoE layers (left zero: the model's
-       over pp) */
+       over pp), each chunk's apart (chunk_moe_layers; left zero: taken alike) */
     dsk_status (*memory)(void *user, const dsk_plan_layout *l, const dsk_plan_job *job, int stage, dsk_plan_memory *mem,
                          double *reduce_bytes, double *gather_bytes, double *link_bytes, double *send_bytes,
                          dsk_plan_tp *tp, dsk_plan_flops *flops);
