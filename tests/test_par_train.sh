@@ -30,8 +30,8 @@
 #   --recompute attn|full under tp2 x pp2 bit for bit as without, with fewer activation bytes;
 #   --pair-micro-batches (pp2 x ep2, interleaved with ZeRO-2 in fp16, an MTP head reached while the
 #   backward is in a block, tp2 x pp2 with MLA, on the emulated GPU over nccl) bit for bit as without,
-#   and on one stage as --accum; --pp-schedule dualpipev (pp2, pp4, paired pp2 x ep2 at ZeRO-1 in bf16) bit for
-#   bit as interleaved with 2 virtual stages;
+#   and on one stage as --accum; --pp-schedule dualpipev (pp2, pp4, paired pp2 x ep2 at ZeRO-1 in bf16, tp2 x pp2
+#   with full recomputation, ZeRO-3 with FP8 GEMMs) bit for bit as interleaved with 2 virtual stages;
 #   the grid and the bubble are printed; unsupported combinations fail with a message.
 # Routing is replayed: the one-rank reference writes every MoE decision (--routing-record: each
 #   step's, validation's and sampled token's top-k experts per layer and token) and every layout
@@ -519,14 +519,17 @@ if [ -z "${ISA_RERUN:-}" ]; then
 # ranks and the turn at the last rank hands over in memory): the same stages' layers as interleaved with 2 virtual
 # stages, each chunk's forwards and backwards in micro-batch order, so every logged number, the validation and the
 # sample equal the interleaved run's bit for bit; unpaired at pp2 (f32) and pp4 (8 layers, 8 micro-batches), paired
-# as pp2 x ep2 at ZeRO-1 in bf16 with the exchanges overlapped; at pp2 its pipeline sends are 2/3 of interleaved's
-# (the turn sends nothing).
+# as pp2 x ep2 at ZeRO-1 in bf16 with the exchanges overlapped, with tensor parallelism and full recomputation
+# (tp2 x pp2), and at ZeRO-3 with FP8 GEMMs (dp2 x pp2); at pp2 its pipeline sends are 2/3 of interleaved's (the
+# turn sends nothing).
 pp_bytes() { # the step records' pp_send_bytes of the first step
     $PYS -c "import json, sys; print([r for r in map(json.loads, open(sys.argv[1])) if r['type'] == 'step'][0]['pp_send_bytes'])" "$work/$1.jsonl" 2>/dev/null
 }
 for spec in "pp2|--nproc 2 --pp 2 --micro-batches 4 --sample-len 40" \
             "pp4|--nproc 4 --pp 4 --layers 8 --micro-batches 8" \
-            "pp2ep2|--nproc 4 --pp 2 --ep 2 --micro-batches 4 --zero 1 --dtype bf16 --ep-overlap on --pair-micro-batches"; do
+            "pp2ep2|--nproc 4 --pp 2 --ep 2 --micro-batches 4 --zero 1 --dtype bf16 --ep-overlap on --pair-micro-batches" \
+            "tp2pp2|--nproc 4 --tp 2 --pp 2 --micro-batches 4 --recompute full" \
+            "dp2pp2|--nproc 4 --pp 2 --micro-batches 4 --zero 3 --dtype fp8"; do
     name=${spec%%|*}
     # shellcheck disable=SC2086
     run "dpv_${name}_il" "${TINY[@]}" --steps 6 ${spec#*|} --pp-schedule interleaved --virtual-stages 2 \
