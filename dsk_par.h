@@ -1107,16 +1107,16 @@ DSK_API double dsk_par_bubble_fraction(dsk_par_schedule_kind kind, int stages, i
 }
 
 DSK_API int dsk_par_stage(dsk_par_schedule_kind kind, int stages, int chunk, int rank) {
-    int v = kind == DSK_PAR_DUALPIPE_V;
-    if (!dsk__par_kind_known(kind) || stages < 1 || rank < 0 || rank >= stages || chunk < 0 || (v && chunk > 1))
+    int vee = kind == DSK_PAR_DUALPIPE_V;
+    if (!dsk__par_kind_known(kind) || stages < 1 || rank < 0 || rank >= stages || chunk < 0 || (vee && chunk > 1))
         return -1;
-    return v && chunk == 1 ? 2 * stages - 1 - rank : chunk * stages + rank;
+    return vee && chunk == 1 ? 2 * stages - 1 - rank : chunk * stages + rank;
 }
 
 DSK_API int dsk_par_stage_rank(dsk_par_schedule_kind kind, int stages, int stage) {
-    int v = kind == DSK_PAR_DUALPIPE_V;
-    if (!dsk__par_kind_known(kind) || stages < 1 || stage < 0 || (v && stage >= 2 * stages)) return -1;
-    return v && stage >= stages ? 2 * stages - 1 - stage : stage % stages;
+    int vee = kind == DSK_PAR_DUALPIPE_V;
+    if (!dsk__par_kind_known(kind) || stages < 1 || stage < 0 || (vee && stage >= 2 * stages)) return -1;
+    return vee && stage >= stages ? 2 * stages - 1 - stage : stage % stages;
 }
 
 /* Warm-up forwards of rank r (forwards before the first backward, steady state aside). */
@@ -1164,6 +1164,16 @@ static dsk__par_op dsk__par_kth(int p, int v, int k, int bwd) {
     return o;
 }
 
+/* Appends DualPipeV's next operation of (bwd, chunk) to ops[*n]: that kind's next micro-batch (next[2 bwd + chunk]
+   counts them), paired with the operation after it when pair is set. */
+static void dsk__par_v_op(dsk__par_op *ops, int *n, int *next, int bwd, int chunk, int pair) {
+    dsk__par_op *o = &ops[(*n)++];
+    o->bwd = bwd;
+    o->chunk = chunk;
+    o->pair = pair;
+    o->micro = next[2 * bwd + chunk]++;
+}
+
 /* DualPipeV's compute order (deepseek-ai/DualPipe, dualpipev.py, its eight steps; chunk 0 runs stages 0..p-1 down
    the ranks, chunk 1 stages p..2p-1 back up): F0 x 2 (p - r - 1); (F0 F1) x (r + 1); (B1 F1) x (p - r - 1);
    (F0 B1 F1 B0) x (m - 2 p + r + 1); (B1 F1 B0) x (p - r - 1); (B1 B0) x (r + 1); B0 x (p - r - 1). Each chunk's
@@ -1172,38 +1182,31 @@ static dsk__par_op dsk__par_kth(int p, int v, int k, int bwd) {
    overlapped chunks), except the last rank's first F0 B1 (DualPipeV does not overlap those either). */
 static void dsk__par_order_v(int p, int m, int r, int paired, dsk__par_op *ops) {
     int next[4] = {0, 0, 0, 0}, n = 0; /* next micro-batch of F0, F1, B0, B1 */
-#define DSK__PAR_V(bwd_, chunk_, pair_) \
-    do { \
-        dsk__par_op *o_ = &ops[n++]; \
-        o_->bwd = (bwd_), o_->chunk = (chunk_), o_->pair = paired && (pair_); \
-        o_->micro = next[2 * (bwd_) + (chunk_)]++; \
-    } while (0)
-    for (int i = 0; i < 2 * (p - r - 1); i++) DSK__PAR_V(0, 0, 0);
+    for (int i = 0; i < 2 * (p - r - 1); i++) dsk__par_v_op(ops, &n, next, 0, 0, 0);
     for (int i = 0; i < r + 1; i++) {
-        DSK__PAR_V(0, 0, 0);
-        DSK__PAR_V(0, 1, 0);
+        dsk__par_v_op(ops, &n, next, 0, 0, 0);
+        dsk__par_v_op(ops, &n, next, 0, 1, 0);
     }
     for (int i = 0; i < p - r - 1; i++) {
-        DSK__PAR_V(1, 1, 0);
-        DSK__PAR_V(0, 1, 0);
+        dsk__par_v_op(ops, &n, next, 1, 1, 0);
+        dsk__par_v_op(ops, &n, next, 0, 1, 0);
     }
     for (int i = 0; i < m - 2 * p + r + 1; i++) {
-        DSK__PAR_V(0, 0, !(i == 0 && r == p - 1));
-        DSK__PAR_V(1, 1, 0);
-        DSK__PAR_V(0, 1, 1);
-        DSK__PAR_V(1, 0, 0);
+        dsk__par_v_op(ops, &n, next, 0, 0, paired && !(i == 0 && r == p - 1));
+        dsk__par_v_op(ops, &n, next, 1, 1, 0);
+        dsk__par_v_op(ops, &n, next, 0, 1, paired);
+        dsk__par_v_op(ops, &n, next, 1, 0, 0);
     }
     for (int i = 0; i < p - r - 1; i++) {
-        DSK__PAR_V(1, 1, 0);
-        DSK__PAR_V(0, 1, 1);
-        DSK__PAR_V(1, 0, 0);
+        dsk__par_v_op(ops, &n, next, 1, 1, 0);
+        dsk__par_v_op(ops, &n, next, 0, 1, paired);
+        dsk__par_v_op(ops, &n, next, 1, 0, 0);
     }
     for (int i = 0; i < r + 1; i++) {
-        DSK__PAR_V(1, 1, 0);
-        DSK__PAR_V(1, 0, 0);
+        dsk__par_v_op(ops, &n, next, 1, 1, 0);
+        dsk__par_v_op(ops, &n, next, 1, 0, 0);
     }
-    for (int i = 0; i < p - r - 1; i++) DSK__PAR_V(1, 0, 0);
-#undef DSK__PAR_V
+    for (int i = 0; i < p - r - 1; i++) dsk__par_v_op(ops, &n, next, 1, 0, 0);
 }
 
 /* Rank r's compute order: 2 m v operations; paired: one more warm-up forward, and each steady

@@ -150,12 +150,12 @@ static int check_layout(const trainer *t, dsk_plan_layout *l, dsk_plan_job *job)
     memset(l, 0, sizeof *l);
     l->moments = moment_dtype(t);
     l->fp8 = !strcmp(o->dtype, "fp8");
-    l->tp = o->tp, l->pp = o->pp, l->ep = o->ep, l->zero = o->zero, l->vstages = o->vstages;
+    l->tp = o->tp, l->pp = o->pp, l->ep = o->ep, l->zero = o->zero;
     l->dp = o->nproc / (o->tp * o->pp);
     l->micro = o->pp > 1 || o->pair_micro ? o->micro : o->accum;
     l->paired = o->pair_micro;
     if (dsk_par_schedule_parse(o->pp_schedule, &l->schedule) != DSK_OK) return 2;
-    if (l->schedule == DSK_PAR_DUALPIPE_V) l->vstages = 2; /* the V, as train_moe sets it */
+    l->vstages = pp_chunks(o, l->schedule);
     l->recompute = !strcmp(o->recompute, "full")   ? DSK_PLAN_RECOMPUTE_FULL
                    : !strcmp(o->recompute, "attn") ? DSK_PLAN_RECOMPUTE_ATTN
                                                    : DSK_PLAN_RECOMPUTE_NONE;

@@ -217,6 +217,12 @@ static dsk_dtype moment_dtype(const trainer *t) {
    the same r / ep and the replicas those with the same r % ep. */
 /* The options every rank must share (model shape, MoE, dtype, batch, layout), checked as soon
    as the ranks meet, so a mismatch names the option rather than a collective's symptom. */
+/* The chunks a pipeline rank runs under schedule kind: --virtual-stages, or DualPipeV's 2 (the V: stages r and
+   2 pp - 1 - r). dsk_plan sizes its layouts with it too. */
+static int pp_chunks(const options *o, dsk_par_schedule_kind kind) {
+    return kind == DSK_PAR_DUALPIPE_V ? 2 : o->vstages;
+}
+
 static void agreed_options(const options *o, char *buf, size_t n) {
     snprintf(buf, n,
              "seq=%d d_model=%d heads=%d layers=%d dense_layers=%d ffn_hidden=%d experts=%d shared=%d "
@@ -261,7 +267,7 @@ static void setup_comm(trainer *t) {
     t->par.paired = o->pair_micro;
     CHECK(dsk_par_schedule_parse(o->pp_schedule, &t->par.kind)); /* refuse_layout checked it */
     t->par.M = o->micro;
-    t->par.v = t->par.kind == DSK_PAR_DUALPIPE_V ? 2 : o->vstages; /* the V: stages r and 2 pp - 1 - r */
+    t->par.v = pp_chunks(o, t->par.kind);
     t->par.embed_group = o->mtp > 0; /* the last stage's copy of the embedding (train_par.h) */
     if (t->have_comm) {
         dsk_par_dims d;
