@@ -143,8 +143,8 @@
      forward's dispatch and the backward's, the router's backward while the expert gradients travel
      back. The same bits as serial (each result's arithmetic is unchanged; only independent steps
      move). Chunked dispatch
-     (opts.ep_chunk: ON where it applies: ep_overlap on the host, the exact flat exchange of activation
-     rows, ACT experts, the default ISA's row kernels; AUTO, the default, where the ep group spans nodes
+     (opts.ep_chunk: ON where it applies: ep_overlap, the exact flat exchange of activation rows, ACT
+     experts, on the host the default ISA's row kernels; AUTO, the default, where the ep group spans nodes
      (ep_route FLAT there: two hops do not chunk), as over one node's shared memory the exchange is short
      and the chunks' smaller GEMMs cost more than it hides; ON pays where the link is slower than the
      compute: on an emulated 0.1 GB/s link it hid the most of every overlap, bench/RESULTS.md): the rank's
@@ -157,7 +157,16 @@
      travels). Each expert's rows come by source rank, so a chunk is a sub-range of each expert's segment; a
      row's results have the same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever
      order the chunks run in, and the weight gradients, sums over rows, run once over whole segments after
-     the last chunk: the serial bits. CUDA does not chunk (the exchange stream runs each exchange whole).
+     the last chunk: the serial bits. On CUDA, where NCCL's grouped all-to-all completes as one, the other
+     ranks' rows go as P - 1 ring shifts on the exchanges' stream (shift s: to rank me + s, from me - s;
+     every rank in the same order), each followed by an event; the layer's stream computes its own rows,
+     then waits for each shift's event (the host does not wait), places that rank's rows and runs its
+     (rank, local expert) blocks, each one segment of the grouped GEMMs (offsets on the device, uploaded
+     once a call), forward and backward: the serial path's kernels on the same rows, so its bits (tests: 2
+     and 4 emulated GPUs, dropless and capacity, and the trainer's bf16 run). P - 1 collectives and up to
+     P El blocks' launches where serial has one of each, and the shifts run one peer pair at a time where
+     NCCL's grouped all-to-all moves every pair at once: a CUDA layer chunks when asked (ON), not by AUTO,
+     until a GPU measurement says where it pays.
      Routes across nodes (opts.ep_route): FLAT sends a row per kept (token, expert) to the expert's rank in
      one all-to-all-v; TWO_HOP sends each token's row once to every node holding one of its kept experts (to
      the rank with this rank's node_rank there, which copies it to its slots on that node: dsk_moe_route,
@@ -310,12 +319,12 @@ typedef enum dsk_moe_ep_route {
 } dsk_moe_ep_route;
 /* Chunked dispatch (see "Overlap" above): whether the routed experts start on the rows that need no transport. */
 typedef enum dsk_moe_ep_chunk {
-    DSK_MOE_CHUNK_AUTO = 0, /* ON where the ep group spans nodes (with ep_route FLAT: AUTO routes there in two
-                               hops, which do not chunk); over one node's shared memory the chunks' smaller GEMMs
-                               cost more than the short exchange they hide (bench/RESULTS.md) */
+    DSK_MOE_CHUNK_AUTO = 0, /* ON where a CPU layer's ep group spans nodes (with ep_route FLAT: AUTO routes there
+                               in two hops, which do not chunk); over one node's shared memory the chunks' smaller
+                               GEMMs cost more than the short exchange they hide (bench/RESULTS.md); CUDA: OFF */
     DSK_MOE_CHUNK_OFF = 1,  /* the experts wait for every row */
-    DSK_MOE_CHUNK_ON = 2    /* where it applies: ep_overlap on the host backend, the exact flat exchange of
-                               activation rows, ACT experts */
+    DSK_MOE_CHUNK_ON = 2    /* where it applies: ep_overlap, the exact flat exchange of activation rows, ACT
+                               experts */
 } dsk_moe_ep_chunk;
 
 /* The routing configuration: what every MoE step of the math below takes instead of positional
@@ -1276,23 +1285,24 @@ enum dsk__moe_buf_id {
     DSK__MOE_PTOT,                  /* (T) f64 sum of a token's scores (losses) */
     DSK__MOE_LSE,                   /* (T) f32 logsumexp (z-loss) */
     DSK__MOE_LSEL,                  /* (T, K) i32 experts the losses count */
-    DSK__MOE_PART,     /* (2E + 2 nseq E + 4) f64 the losses' partial sums, summed over the loss span's group */
-    DSK__MOE_LOSS,     /* (4) f64 aux, seq_aux, z, total */
-    DSK__MOE_PERM_ALL, /* (TK) i32 every routed slot by expert */
-    DSK__MOE_KEYS2,    /* (TK) i32 keys after capacity */
-    DSK__MOE_PERM,     /* (TK) i32 kept slots by expert (-1 past them) */
-    DSK__MOE_CNT,      /* (3 + 2E) i64 this rank's counts (dsk__moe_counts) */
-    DSK__MOE_CNTG,     /* (3 + 2E) i64 counts summed over the EP group */
-    DSK__MOE_STAGE,    /* (max(R, TK), D) act rows of an all-to-all-v (EP) */
-    DSK__MOE_Q8,       /* (TK, D) e4m3 codes of the dispatched rows (EP, FP8 dispatch) */
-    DSK__MOE_Q8S,      /* (TK, ceil(D / 128)) f32 their scales */
-    DSK__MOE_Q8R,      /* (R, D) e4m3 codes received */
-    DSK__MOE_Q8RS,     /* (R, ceil(D / 128)) f32 their scales */
-    DSK__MOE_YS,       /* (T, D) act shared output */
-    DSK__MOE_RECV_CNT, /* (P, n_local) i64 rows each rank sends to each local expert (EP) */
-    DSK__MOE_EP_SKEY,  /* (R) i32 the receiver's local expert of each send row, -1 */
-    DSK__MOE_EP_RKEY,  /* (R) i32 the keys received */
-    DSK__MOE_STAGE2,   /* (R, D) act rows received (bounded EP) */
+    DSK__MOE_PART,      /* (2E + 2 nseq E + 4) f64 the losses' partial sums, summed over the loss span's group */
+    DSK__MOE_LOSS,      /* (4) f64 aux, seq_aux, z, total */
+    DSK__MOE_PERM_ALL,  /* (TK) i32 every routed slot by expert */
+    DSK__MOE_KEYS2,     /* (TK) i32 keys after capacity */
+    DSK__MOE_PERM,      /* (TK) i32 kept slots by expert (-1 past them) */
+    DSK__MOE_CNT,       /* (3 + 2E) i64 this rank's counts (dsk__moe_counts) */
+    DSK__MOE_CNTG,      /* (3 + 2E) i64 counts summed over the EP group */
+    DSK__MOE_STAGE,     /* (max(R, TK), D) act rows of an all-to-all-v (EP) */
+    DSK__MOE_Q8,        /* (TK, D) e4m3 codes of the dispatched rows (EP, FP8 dispatch) */
+    DSK__MOE_Q8S,       /* (TK, ceil(D / 128)) f32 their scales */
+    DSK__MOE_Q8R,       /* (R, D) e4m3 codes received */
+    DSK__MOE_Q8RS,      /* (R, ceil(D / 128)) f32 their scales */
+    DSK__MOE_YS,        /* (T, D) act shared output */
+    DSK__MOE_RECV_CNT,  /* (P, n_local) i64 rows each rank sends to each local expert (EP) */
+    DSK__MOE_EP_SKEY,   /* (R) i32 the receiver's local expert of each send row, -1 */
+    DSK__MOE_EP_RKEY,   /* (R) i32 the keys received */
+    DSK__MOE_STAGE2,    /* (R, D) act rows received (bounded EP) */
+    DSK__MOE_CHUNK_SEG, /* (P n_local, 2) i32 chunked dispatch: {0, rows} of each (rank, local expert) block */
     /* FP8 experts' scratch, flat, viewed per GEMM (forward and backward) */
     DSK__MOE_W8,  /* e4m3 one projection's weights of every local expert (or a shared one), 128x128 blocks */
     DSK__MOE_W8S, /* f32 their scales */
@@ -1386,6 +1396,9 @@ struct dsk__moe_state {
     int64_t fwd_chunks;       /* the last forward's chunks (dsk_moe_stats.ep_chunks) */
     void *side, *ev_fork, *ev_join;     /* CUDA with ep_overlap: the exchanges' stream, and the events that order
                                            it after the layer's stream and the layer's stream after it */
+    void **ev_shift;                    /* CUDA with ep_overlap: (P - 1) events, each after a chunked dispatch's
+                                           ring shift on side (dsk__moe_others_to_experts) */
+    int32_t *chunk_seg;                 /* (2 P n_local) host: DSK__MOE_CHUNK_SEG's values */
 };
 
 static int64_t dsk__moe_max(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -1527,6 +1540,10 @@ static void dsk__moe_spec_at(const dsk_moe *m, int id, int64_t T, int64_t R, int
         *dt = DSK_I32;
         *rows = bounded ? TK : 0;
         break;
+    case DSK__MOE_CHUNK_SEG:
+        *dt = DSK_I32;
+        *rows = ep ? 2 * (int64_t)m->ep_size * m->n_local : 0;
+        break;
     case DSK__MOE_STAGE2:
         *rows = bounded ? R : 0;
         *cols = D;
@@ -1651,6 +1668,8 @@ static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
         dsk_cuda_stream_destroy(st->side);
         dsk_cuda_event_destroy(st->ev_fork);
         dsk_cuda_event_destroy(st->ev_join);
+        for (int i = 0; st->ev_shift && i < m->ep_size - 1; i++) dsk_cuda_event_destroy(st->ev_shift[i]);
+        DSK_FREE(st->ev_shift);
         st->side = st->ev_fork = st->ev_join = NULL;
         st->col_acc_i = NULL;
         st->col_acc_f = NULL;
@@ -1659,6 +1678,7 @@ static void dsk__moe_state_free(dsk_moe *m, dsk_ctx *ctx) {
     DSK_FREE(st->h_cnt);
     DSK_FREE(st->arrival_order);
     DSK_FREE(st->landed);
+    DSK_FREE(st->chunk_seg);
     DSK_FREE(st->fwd_loads);
     DSK_FREE(st->col_acc_i);
     DSK_FREE(st->col_acc_f);
@@ -1877,6 +1897,7 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
     st->h_cnt = (int64_t *)DSK_MALLOC((size_t)(3 + 2 * E) * sizeof(int64_t));
     st->arrival_order = (int *)DSK_MALLOC((size_t)P * sizeof(int));
     st->landed = (int *)DSK_MALLOC((size_t)P * sizeof(int));
+    st->chunk_seg = (int32_t *)DSK_MALLOC((size_t)(2 * P * m->n_local) * sizeof(int32_t));
     st->fwd_loads = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
 #ifdef DSK_CUDA
     if (m->device.type == DSK_DEV_CUDA) { /* statistics come back into pinned memory after an event */
@@ -1887,6 +1908,10 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
             DSK__TRY(dsk_cuda_stream_create(&st->side));
             DSK__TRY(dsk_cuda_event_create(&st->ev_fork));
             DSK__TRY(dsk_cuda_event_create(&st->ev_join));
+            if (!(st->ev_shift = (void **)DSK_MALLOC((size_t)(P - 1) * sizeof(void *))))
+                return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
+            memset(st->ev_shift, 0, (size_t)(P - 1) * sizeof(void *));
+            for (int i = 0; i < P - 1; i++) DSK__TRY(dsk_cuda_event_create(&st->ev_shift[i]));
         }
     } else
 #endif
@@ -1894,7 +1919,8 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
         st->col_acc_i = (int64_t *)DSK_MALLOC((size_t)(5 + E) * sizeof(int64_t));
         st->col_acc_f = (double *)DSK_MALLOC(3 * sizeof(double));
     }
-    if (!st->h_cnt || !st->arrival_order || !st->landed || !st->fwd_loads || !st->col_acc_i || !st->col_acc_f)
+    if (!st->h_cnt || !st->arrival_order || !st->landed || !st->chunk_seg || !st->fwd_loads || !st->col_acc_i ||
+        !st->col_acc_f)
         return dsk_set_error(DSK_ERR_OOM, "dsk_moe_init: out of host memory");
     memset(st->col_acc_i, 0, (size_t)(5 + E) * sizeof(int64_t));
     memset(st->col_acc_f, 0, 3 * sizeof(double));
@@ -3811,14 +3837,6 @@ static dsk_status dsk__moe_hop_plan(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t
     return e == DSK_OK && dev ? dsk__moe_hop_upload(m, ctx, n_kept) : e;
 }
 
-/* A (rows, cols) view of host memory. */
-static dsk_tensor dsk__moe_host_view(void *p, dsk_dtype dt, int64_t rows, int64_t cols) {
-    dsk_tensor t;
-    int64_t sh[2] = {rows, cols};
-    (void)dsk_tensor_wrap(&t, p, dt, dsk_cpu(), cols ? 2 : 1, sh);
-    return t;
-}
-
 /* Token rows (T, D) through the route to the experts' ranks, expert-major into dst (R, D); scaled: times each
    row's gate (backward's g * dy). */
 static dsk_status dsk__moe_hop_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *tok, dsk_tensor *dst,
@@ -3928,7 +3946,10 @@ static void *dsk__moe_async_main(void *p) {
 }
 
 static dsk_status dsk__moe_stage_to_experts(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst);
-static void dsk__moe_place_landed(dsk__moe_async *a);
+static dsk_status dsk__moe_place_landed(dsk__moe_async *a);
+#ifdef DSK_CUDA
+static dsk_status dsk__moe_place_shifts(dsk__moe_async *a, int k);
+#endif
 
 /* Whether an overlapped host exchange runs without a thread: the flat exact exchange of activation rows, whose
    all-to-all-v begins at the start (the messages the transport takes now: shared-memory rings, sockets' buffers)
@@ -3947,8 +3968,7 @@ static dsk_status dsk__moe_exchange_finish(dsk__moe_async *a) {
     DSK__TRY(dsk_comm_finish(a->m->opts.ep, a->ctx));
     if (a->chunked) {
         for (int r = 0; r < a->m->ep_size; r++) a->m->st->landed[r] = 1;
-        dsk__moe_place_landed(a);
-        return DSK_OK;
+        return dsk__moe_place_landed(a);
     }
     return a->way == DSK__MOE_XCH_FROM_EXPERTS ? DSK_OK : dsk__moe_stage_to_experts(a->m, a->ctx, a->dst);
 }
@@ -4032,6 +4052,8 @@ static dsk_status dsk__moe_exchange_wait(dsk__moe_async *a) {
         dsk_ctx_counters *c = &a->caller->counters, *s0 = &a->at_fork, *s1 = &a->side.counters;
         dsk_status s = dsk_cuda_stream_record(st->side, st->ev_join);
         if (s == DSK_OK) s = dsk_cuda_stream_wait_event(a->caller->stream, st->ev_join);
+        if (s == DSK_OK && a->st == DSK_OK && a->chunked) /* the ranks the experts have not come to yet */
+            s = dsk__moe_place_shifts(a, a->m->ep_size - 2);
         c->syncs += s1->syncs - s0->syncs; /* what the exchange counted on the side ctx */
         c->d2h_copies += s1->d2h_copies - s0->d2h_copies;
         c->d2h_bytes += s1->d2h_bytes - s0->d2h_bytes;
@@ -4059,16 +4081,18 @@ static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s) {
    same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever order the chunks run in; the
    weight gradients, sums over rows, run once over the whole segments after the last chunk, as serial. */
 
-/* Chunks on this call: ON (or AUTO with the ep group across nodes), CPU f32 experts, the exact flat exchange of
-   activation rows begun under ep_overlap, and (backward's SwiGLU gradient, dsk_swiglu_grad_cpu) the default ISA's
-   row kernels. */
+/* Chunks on this call: ON (or AUTO with a CPU layer's ep group across nodes), ep_overlap (CUDA: its exchanges'
+   stream), the exact flat exchange of activation rows, ACT experts; on the CPU (f32) the default ISA's row kernels
+   (backward's SwiGLU gradient, dsk_swiglu_grad_cpu). */
 static int dsk__moe_chunking(const dsk_moe *m, const dsk_ctx *ctx) {
     const dsk_moe_opts *o = &m->opts;
     if (m->ep_size <= 1 || !o->ep_overlap || o->ep_chunk == DSK_MOE_CHUNK_OFF) return 0;
-    if (o->ep_chunk == DSK_MOE_CHUNK_AUTO && o->ep->n_nodes < 2) return 0;
-    return m->device.type == DSK_DEV_CPU && m->st->act == DSK_F32 && o->ep_exchange == DSK_MOE_EP_EXACT &&
-           o->ep_route == DSK_MOE_ROUTE_FLAT && o->ep_dispatch == DSK_MOE_DISPATCH_ACT &&
-           o->expert_gemm == DSK_MOE_GEMM_ACT && (!ctx || ctx->cpu_isa == dsk_cpu_isa_auto());
+    if (o->ep_chunk == DSK_MOE_CHUNK_AUTO && (o->ep->n_nodes < 2 || m->device.type == DSK_DEV_CUDA)) return 0;
+    if (o->ep_exchange != DSK_MOE_EP_EXACT || o->ep_route != DSK_MOE_ROUTE_FLAT ||
+        o->ep_dispatch != DSK_MOE_DISPATCH_ACT || o->expert_gemm != DSK_MOE_GEMM_ACT)
+        return 0;
+    if (m->device.type == DSK_DEV_CUDA) return m->st->side != NULL;
+    return m->st->act == DSK_F32 && (!ctx || ctx->cpu_isa == dsk_cpu_isa_auto());
 }
 
 /* Rows of local expert e from rank r: [*r0, *r0 + *n) of the expert-major layout. */
@@ -4080,18 +4104,54 @@ static void dsk__moe_block(const dsk_moe *m, int r, int e, int64_t *r0, int64_t 
     *n = st->f->h_recv_cnt[r * El + e];
 }
 
-/* Copies rank r's (rank, local expert) blocks of rows from src to their places in dst (expert-major). src: the
-   exchange's rank-major receive buffer, or for this rank's own rows the send buffer (kept order, where its rows
-   to itself lie in the same order). Plain copies: the regroup's bits. */
-static void dsk__moe_place_rank(const dsk_moe *m, char *dst, const char *src, size_t row, int r) {
+/* Copies rank r's (rank, local expert) blocks of rows from src to their places in dst (expert-major), on ctx's
+   stream. src: the exchange's rank-major receive buffer, or for this rank's own rows the send buffer (kept order,
+   where its rows to itself lie in the same order). Plain copies: the regroup's bits. */
+static dsk_status dsk__moe_place_rank(const dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dst, const dsk_tensor *src,
+                                      int r) {
     const struct dsk__moe_state *st = m->st;
     int P = m->ep_size;
     int64_t from = (r == m->ep_rank ? st->f->a2a[P + r] : st->f->a2a[3 * P + r]) / m->opts.d_model, to, n;
     for (int e = 0; e < m->n_local; e++, from += n) {
         dsk__moe_block(m, r, e, &to, &n);
-        if (n) memcpy(dst + (size_t)to * row, src + (size_t)from * row, (size_t)n * row);
+        if (!n) continue;
+        dsk_tensor d = dsk__moe_row_range(dst, to, n), s = dsk__moe_row_range(src, from, n);
+        DSK__TRY(dsk_tensor_copy(ctx, &d, &s));
     }
+    return DSK_OK;
 }
+
+/* The exchange's stage (sized when the exchange started) as R rows of D values of dt. */
+static dsk_tensor dsk__moe_stage_rows(dsk_moe *m, dsk_dtype dt) {
+    dsk_tensor t;
+    int64_t sh[2] = {m->st->f->R, m->opts.d_model};
+    (void)dsk_tensor_wrap(&t, dsk__moe_store_of(m->st, DSK__MOE_STAGE)->mem.data, dt, m->device, 2, sh);
+    return t;
+}
+
+#ifdef DSK_CUDA
+/* CUDA: the other ranks' rows as P - 1 ring shifts on the exchanges' stream (ctx: the side's), shift s sending
+   this rank's rows for rank me + s and receiving rank me - s's into STAGE, each followed by its event
+   (st->ev_shift[s - 1]) that the layer's stream waits for before that rank's chunk (dsk__moe_next_arrival).
+   Every rank runs the shifts in the same order, so each send meets its receive. */
+static dsk_status dsk__moe_others_by_shifts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, void *stage) {
+    struct dsk__moe_state *st = m->st;
+    int P = m->ep_size, me = m->ep_rank;
+    int64_t *a = st->f->a2a, *c = st->f->a2a + 4 * P;
+    for (int s = 1; s < P; s++) {
+        int to = (me + s) % P, from = (me - s + P) % P;
+        memset(c, 0, (size_t)(4 * P) * sizeof(int64_t));
+        c[to] = a[to];
+        c[P + to] = a[P + to];
+        c[2 * P + from] = a[2 * P + from];
+        c[3 * P + from] = a[3 * P + from];
+        DSK__TRY(
+            dsk_comm_all_to_all_v(m->opts.ep, ctx, rows->data, c, c + P, stage, c + 2 * P, c + 3 * P, rows->dtype));
+        DSK__TRY(dsk_cuda_event_record(ctx, st->ev_shift[s - 1]));
+    }
+    return DSK_OK;
+}
+#endif
 
 /* The exchange's part of a chunked dispatch, begun: the other ranks' rows only, into STAGE (rank-major); the layer
    moves it on and places each rank's rows as they land (dsk__moe_next_arrival). */
@@ -4100,9 +4160,12 @@ static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk
     int P = m->ep_size, me = m->ep_rank;
     int64_t *c = st->f->a2a + 4 * P;
     dsk_tensor stage;
-    if (!st->xch_begin)
+    if (!st->xch_begin && m->device.type == DSK_DEV_CPU)
         return dsk_set_error(DSK_ERR_STATE, "dsk_moe: layer \"%s\": a chunked exchange not begun", m->opts.name);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &stage));
+#ifdef DSK_CUDA
+    if (m->device.type == DSK_DEV_CUDA) return dsk__moe_others_by_shifts(m, ctx, rows, stage.data);
+#endif
     memcpy(c, st->f->a2a, (size_t)(4 * P) * sizeof(int64_t));
     c[me] = c[2 * P + me] = 0;
     return dsk_comm_all_to_all_v_start(m->opts.ep, ctx, rows->data, c, c + P, stage.data, c + 2 * P, c + 3 * P,
@@ -4111,54 +4174,96 @@ static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk
 
 /* Places the rows of each other rank that st->landed reports and a has not placed yet (expert-major, into a->dst
    from STAGE) and queues the rank in st->arrival_order. */
-static void dsk__moe_place_landed(dsk__moe_async *a) {
+static dsk_status dsk__moe_place_landed(dsk__moe_async *a) {
     dsk_moe *m = a->m;
     struct dsk__moe_state *st = m->st;
-    const char *stage = (const char *)dsk__moe_store_of(st, DSK__MOE_STAGE)->mem.data;
-    size_t row = (size_t)m->opts.d_model * dsk_dtype_size(a->dst->dtype);
+    dsk_tensor stage = dsk__moe_stage_rows(m, a->dst->dtype);
     for (int r = 0; r < m->ep_size; r++) {
         int placed = r == m->ep_rank; /* the layer places and computes its own rows */
         for (int k = 0; k < a->n_placed && !placed; k++) placed = st->arrival_order[k] == r;
         if (placed || !st->landed[r]) continue;
-        dsk__moe_place_rank(m, (char *)a->dst->data, stage, row, r);
+        DSK__TRY(dsk__moe_place_rank(m, a->ctx, a->dst, &stage, r));
         st->arrival_order[a->n_placed++] = r;
     }
+    return DSK_OK;
+}
+
+#ifdef DSK_CUDA
+/* CUDA: places the ranks of the ring shifts up to shift k + 1 not placed yet (rank me - j - 1 for shift j + 1),
+   on the layer's stream, which has waited for their events or for the exchange's end. */
+static dsk_status dsk__moe_place_shifts(dsk__moe_async *a, int k) {
+    dsk_moe *m = a->m;
+    dsk_tensor stage = dsk__moe_stage_rows(m, a->dst->dtype);
+    for (; a->n_placed <= k; a->n_placed++) {
+        int r = (m->ep_rank - a->n_placed - 1 + m->ep_size) % m->ep_size;
+        DSK__TRY(dsk__moe_place_rank(m, a->caller, a->dst, &stage, r));
+        m->st->arrival_order[a->n_placed] = r;
+    }
+    return DSK_OK;
+}
+#endif
+
+/* An error of the chunked exchange's own steps, kept for the join; -1. */
+static int dsk__moe_arrival_failed(dsk__moe_async *a, dsk_status s) {
+    a->st = s;
+    snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
+    return -1;
 }
 
 /* The k-th other rank whose rows are in place, moving the begun exchange on (dsk_comm_progress, waiting) until
-   they are; -1 once all P - 1 came, or on the exchange's error (kept for the join). */
+   they are; CUDA: rank me - k - 1 of the ring shifts, placed on the layer's stream once it waits for the shift's
+   event (the host does not wait). -1 once all P - 1 came, or on the exchange's error (kept for the join). */
 static int dsk__moe_next_arrival(dsk__moe_async *a, int k) {
     dsk_moe *m = a->m;
-    if (k >= m->ep_size - 1) return -1;
+    dsk_status s;
+    if (k >= m->ep_size - 1 || a->st != DSK_OK) return -1;
+#ifdef DSK_CUDA
+    if (a->forked) {
+        if ((s = dsk_cuda_stream_wait_event(a->caller->stream, m->st->ev_shift[k])) != DSK_OK ||
+            (s = dsk__moe_place_shifts(a, k)) != DSK_OK)
+            return dsk__moe_arrival_failed(a, s);
+        return m->st->arrival_order[k];
+    }
+#endif
     while (a->n_placed <= k) {
-        if (!a->begun || a->st != DSK_OK) return -1;
-        if ((a->st = dsk_comm_progress(m->opts.ep, a->ctx, 1, m->st->landed, NULL)) != DSK_OK) {
-            snprintf(a->err, sizeof a->err, "%s", dsk_last_error());
-            return -1;
-        }
-        dsk__moe_place_landed(a);
+        if (!a->begun) return -1;
+        if ((s = dsk_comm_progress(m->opts.ep, a->ctx, 1, m->st->landed, NULL)) != DSK_OK ||
+            (s = dsk__moe_place_landed(a)) != DSK_OK)
+            return dsk__moe_arrival_failed(a, s);
     }
     return m->st->arrival_order[k];
 }
 
+/* The offsets {0, rows} of every (rank, local expert) block of this forward, on the layer's device
+   (DSK__MOE_CHUNK_SEG, block r * n_local + e at 2 (r * n_local + e)): each block is one segment of the grouped
+   GEMMs of its chunk. */
+static dsk_status dsk__moe_chunk_segments(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *segs) {
+    int32_t *h = m->st->chunk_seg;
+    int64_t r0, n, El = m->n_local;
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_CHUNK_SEG, 0, 0, segs));
+    for (int r = 0; r < m->ep_size; r++)
+        for (int e = 0; e < El; e++) {
+            dsk__moe_block(m, r, e, &r0, &n);
+            h[2 * (r * El + e)] = 0;
+            h[2 * (r * El + e) + 1] = (int32_t)n;
+        }
+    return dsk__moe_to_device(m, ctx, segs->data, h, (size_t)(2 * m->ep_size * El) * sizeof(int32_t));
+}
+
 /* Forward of rank r's chunk: (this rank's own: its rows placed from xs, kept order, into xr) the routed experts
-   on r's rows of xr, expert by expert: ob, h1, h3, a there. */
-static dsk_status dsk__moe_experts_chunk(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *xs,
-                                         const dsk_tensor *xr, dsk_tensor *ob, dsk_tensor *h1, dsk_tensor *h3,
-                                         dsk_tensor *a, int r) {
-    int32_t seg[2] = {0, 0};
-    int64_t r0, n, two = 2;
-    dsk_tensor off;
-    if (r == m->ep_rank)
-        dsk__moe_place_rank(m, (char *)xr->data, (const char *)xs->data, (size_t)m->opts.d_model * sizeof(float), r);
-    (void)dsk_tensor_wrap(&off, seg, DSK_I32, dsk_cpu(), 1, &two);
+   on r's rows of xr, expert by expert (segs: dsk__moe_chunk_segments): ob, h1, h3, a there. */
+static dsk_status dsk__moe_experts_chunk(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *segs,
+                                         const dsk_tensor *xs, const dsk_tensor *xr, dsk_tensor *ob, dsk_tensor *h1,
+                                         dsk_tensor *h3, dsk_tensor *a, int r) {
+    int64_t r0, n;
+    if (r == m->ep_rank) DSK__TRY(dsk__moe_place_rank(m, ctx, xr, xs, r));
     for (int e = 0; e < m->n_local; e++) {
         dsk__moe_block(m, r, e, &r0, &n);
         if (!n) continue;
         dsk_tensor w1, w2, w3, x = dsk__moe_row_range(xr, r0, n), o = dsk__moe_row_range(ob, r0, n);
         dsk_tensor p1 = dsk__moe_row_range(h1, r0, n), p3 = dsk__moe_row_range(h3, r0, n);
-        dsk_tensor pa = dsk__moe_row_range(a, r0, n);
-        seg[1] = (int32_t)n;
+        dsk_tensor pa = dsk__moe_row_range(a, r0, n), off;
+        dsk_tensor_slice(segs, 0, 2 * (r * m->n_local + e), 2, &off);
         dsk_tensor_slice(&w[0], 0, e, 1, &w1);
         dsk_tensor_slice(&w[1], 0, e, 1, &w2);
         dsk_tensor_slice(&w[2], 0, e, 1, &w3);
@@ -4182,28 +4287,28 @@ static dsk_status dsk__moe_swiglu_grad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dh1
 
 /* Backward of rank r's chunk: (this rank's own: its output-gradient rows placed from dos, kept order, into dor)
    the per-row part of the experts' backward on r's rows (da, dh1, dh3 and the input gradient dxr there:
-   dsk_swiglu_grouped_backward's arithmetic), expert by expert. */
-static dsk_status dsk__moe_experts_chunk_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *dos,
-                                                  const dsk_tensor *dor, const dsk_tensor *h1, const dsk_tensor *h3,
-                                                  dsk_tensor *da, dsk_tensor *dh1, dsk_tensor *dh3, dsk_tensor *dxr,
-                                                  int r) {
-    int64_t D = m->opts.d_model, F = m->opts.d_expert, r0, n;
-    if (r == m->ep_rank)
-        dsk__moe_place_rank(m, (char *)dor->data, (const char *)dos->data, (size_t)D * sizeof(float), r);
+   dsk_swiglu_grouped_backward's arithmetic, its rows-form GEMMs on one segment a block), expert by expert. */
+static dsk_status dsk__moe_experts_chunk_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *segs,
+                                                  const dsk_tensor *dos, const dsk_tensor *dor, const dsk_tensor *h1,
+                                                  const dsk_tensor *h3, dsk_tensor *da, dsk_tensor *dh1,
+                                                  dsk_tensor *dh3, dsk_tensor *dxr, int r) {
+    int64_t r0, n;
+    if (r == m->ep_rank) DSK__TRY(dsk__moe_place_rank(m, ctx, dor, dos, r));
     for (int e = 0; e < m->n_local; e++) {
         dsk__moe_block(m, r, e, &r0, &n);
         if (!n) continue;
         dsk_tensor g = dsk__moe_row_range(dor, r0, n), q = dsk__moe_row_range(da, r0, n);
         dsk_tensor p1 = dsk__moe_row_range(h1, r0, n), p3 = dsk__moe_row_range(h3, r0, n);
         dsk_tensor q1 = dsk__moe_row_range(dh1, r0, n), q3 = dsk__moe_row_range(dh3, r0, n);
-        dsk_tensor dx = dsk__moe_row_range(dxr, r0, n);
-        dsk_tensor w1 = dsk__moe_host_view((float *)w[0].data + e * F * D, DSK_F32, F, D);
-        dsk_tensor w2 = dsk__moe_host_view((float *)w[1].data + e * D * F, DSK_F32, D, F);
-        dsk_tensor w3 = dsk__moe_host_view((float *)w[2].data + e * F * D, DSK_F32, F, D);
-        DSK__TRY(dsk_matmul(ctx, &q, &g, 0, &w2, 0, 1.0f, 0.0f));
+        dsk_tensor dx = dsk__moe_row_range(dxr, r0, n), w1, w2, w3, off;
+        dsk_tensor_slice(segs, 0, 2 * (r * m->n_local + e), 2, &off);
+        dsk_tensor_slice(&w[0], 0, e, 1, &w1);
+        dsk_tensor_slice(&w[1], 0, e, 1, &w2);
+        dsk_tensor_slice(&w[2], 0, e, 1, &w3);
+        DSK__TRY(dsk_matmul_grouped(ctx, &q, &g, 0, &w2, 0, &off, 1.0f, 0.0f));
         DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &q1, &q3, &q, &p1, &p3));
-        DSK__TRY(dsk_matmul(ctx, &dx, &q1, 0, &w1, 0, 1.0f, 0.0f));
-        DSK__TRY(dsk_matmul(ctx, &dx, &q3, 0, &w3, 0, 1.0f, 1.0f));
+        DSK__TRY(dsk_matmul_grouped(ctx, &dx, &q1, 0, &w1, 0, &off, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul_grouped(ctx, &dx, &q3, 0, &w3, 0, &off, 1.0f, 1.0f));
     }
     return DSK_OK;
 }
@@ -4842,9 +4947,11 @@ static dsk_status dsk__moe_forward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     }
     st->fwd_chunks = 0;
     if (ep && st->chunked) {
+        dsk_tensor segs;
+        DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunk_segments(m, ctx, &segs)));
         for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&p->xch, k++), st->fwd_chunks++)
             DSK__TRY(dsk__moe_join_on_error(
-                xch, dsk__moe_experts_chunk(m, ctx, w, &p->xs, &p->xr, &p->ob, &h1, &h3, &a, r)));
+                xch, dsk__moe_experts_chunk(m, ctx, w, &segs, &p->xs, &p->xr, &p->ob, &h1, &h3, &a, r)));
         return dsk__moe_pending_join(p);
     }
     DSK__TRY(dsk__moe_pending_join(p));
@@ -5027,9 +5134,12 @@ static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3)));
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &p->dxr)));
     if (ep && st->chunked) { /* as the forward; the weight gradients follow the return's start */
+        dsk_tensor segs;
+        DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunk_segments(m, ctx, &segs)));
         for (int c = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&p->xch, c++))
-            DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_experts_chunk_backward(m, ctx, w, &p->dos, &p->dor, &k.h1,
-                                                                                 &k.h3, &da, &dh1, &dh3, &p->dxr, r)));
+            DSK__TRY(
+                dsk__moe_join_on_error(xch, dsk__moe_experts_chunk_backward(m, ctx, w, &segs, &p->dos, &p->dor, &k.h1,
+                                                                            &k.h3, &da, &dh1, &dh3, &p->dxr, r)));
         return dsk__moe_pending_join(p);
     }
     DSK__TRY(dsk__moe_pending_join(p));

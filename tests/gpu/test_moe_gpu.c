@@ -287,7 +287,7 @@ static dsk_moe_opts ep_opts(int sigmoid) {
 /* One step of a fresh layer of options o on this rank's rows gx, gdy (device): y, dx and the gradient slab
    as host bytes (malloc'd, *n bytes); *syncs, *d2h: what the forward and backward did (after a reserve). */
 static char *ep_step_bytes(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
-                           int64_t row0, int64_t NT, size_t *n, int64_t *syncs, int64_t *d2h) {
+                           int64_t row0, int64_t NT, size_t *n, int64_t *syncs, int64_t *d2h, int64_t *chunks) {
     dsk_moe m;
     owned mo;
     dsk_tensor gy, gdx, h;
@@ -302,8 +302,9 @@ static char *ep_step_bytes(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_te
         dsk_tensor_fill(g, &gdx, 0.0) != DSK_OK || dsk_ctx_sync(g) != DSK_OK)
         goto done;
     c0 = g->counters;
-    if (dsk_moe_forward(&m, g, &gy, gx, NULL) != DSK_OK || dsk_moe_backward(&m, g, &gdx, gdy, 1.0f) != DSK_OK)
-        goto done;
+    if (dsk_moe_forward(&m, g, &gy, gx, NULL) != DSK_OK) goto done;
+    if (chunks) *chunks = m.st->fwd_chunks; /* stats.ep_chunks, read without the statistics' copy back */
+    if (dsk_moe_backward(&m, g, &gdx, gdy, 1.0f) != DSK_OK) goto done;
     *syncs = g->counters.syncs - c0.syncs;
     *d2h = g->counters.d2h_copies - c0.d2h_copies;
     gb = dsk_tensor_nbytes(&mo.grads);
@@ -329,10 +330,17 @@ done:
 /* The bounded exchange over nccl, dropless and under capacity 0.75: a forward and backward make no host
    sync and no device-to-host copy, and give the exact exchange's y, dx and gradients bit for bit; and so do
    both exchanges with ep_overlap (issued on the layer's exchange stream, beside the shared experts and the
-   router's backward), with the serial exchange's syncs; and FP8 dispatch overlapped gives its serial bits. */
+   router's backward), with the serial exchange's syncs, and the exact one chunked (ep_chunk ON: the experts
+   start on this rank's own rows while the ring shifts carry the others', a chunk a rank; AUTO does not chunk a
+   CUDA layer, across the emulated hosts too); and FP8 dispatch overlapped gives its serial bits. */
 static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
                              int64_t row0, int64_t NT) {
-    static const char *names[] = {"", "bounded serial", "exact overlapped", "bounded overlapped"};
+    static const char *names[] = {"",
+                                  "bounded serial",
+                                  "exact overlapped",
+                                  "bounded overlapped",
+                                  "exact overlapped chunked",
+                                  "exact overlapped with ep_chunk AUTO"};
     for (int cap = 0; cap < 2; cap++) {
         size_t na = 0;
         int64_t sa = -1, da = -1;
@@ -340,23 +348,28 @@ static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
         o.capacity_factor = cap ? 0.75f : 0.0f;
         o.ep_exchange = DSK_MOE_EP_EXACT;
         o.ep_overlap = 0;
-        a = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &na, &sa, &da);
+        a = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &na, &sa, &da, NULL);
         DSK_TEST_EXPECT(a, "capacity %g: the exact step failed: %s", (double)o.capacity_factor, dsk_last_error());
         DSK_TEST_EXPECT(sa == 1, "capacity %g: exact EP: %lld syncs (want the counts' 1)", (double)o.capacity_factor,
                         (long long)sa);
-        for (int v = 1; v < 4; v++) {
+        for (int v = 1; v < 6; v++) {
             size_t nb = 0;
-            int64_t sb = -1, db = -1, want = v == 2 ? 1 : 0;
+            int exact = v == 2 || v >= 4;
+            int64_t sb = -1, db = -1, want = exact ? 1 : 0, chunks = -1;
+            int64_t want_chunks = v == 4 ? c->world_size : 0; /* own, then a rank each; AUTO: CPU layers only */
             char *b;
-            o.ep_exchange = v == 2 ? DSK_MOE_EP_EXACT : DSK_MOE_EP_BOUNDED;
+            o.ep_exchange = exact ? DSK_MOE_EP_EXACT : DSK_MOE_EP_BOUNDED;
             o.ep_overlap = v >= 2;
-            b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db);
+            o.ep_chunk = v == 4 ? DSK_MOE_CHUNK_ON : v == 5 ? DSK_MOE_CHUNK_AUTO : DSK_MOE_CHUNK_OFF;
+            b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db, &chunks);
             DSK_TEST_EXPECT(b, "capacity %g: %s: the step failed: %s", (double)o.capacity_factor, names[v],
                             dsk_last_error());
-            DSK_TEST_EXPECT(sb == want && db == (v == 2 ? da : 0),
+            DSK_TEST_EXPECT(sb == want && db == (exact ? da : 0),
                             "capacity %g: %s EP forward+backward: %lld syncs, %lld copies back (want %lld, %lld)",
                             (double)o.capacity_factor, names[v], (long long)sb, (long long)db, (long long)want,
-                            (long long)(v == 2 ? da : 0));
+                            (long long)(exact ? da : 0));
+            DSK_TEST_EXPECT(!b || chunks == want_chunks, "capacity %g: %s: %lld chunks, want %lld",
+                            (double)o.capacity_factor, names[v], (long long)chunks, (long long)want_chunks);
             if (a && b) {
                 DSK_TEST_EXPECT(na == nb, "%s: sizes %zu and %zu", names[v], na, nb);
                 DSK_TEST_SAME_BYTES(b, a, na < nb ? na : nb, names[v]);
@@ -374,7 +387,7 @@ static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
         char *r[2];
         for (int ov = 0; ov < 2; ov++) {
             o.ep_overlap = ov;
-            r[ov] = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &n[ov], &sy[ov], &d2h[ov]);
+            r[ov] = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &n[ov], &sy[ov], &d2h[ov], NULL);
         }
         DSK_TEST_EXPECT(r[0] && r[1], "FP8 dispatch: a step failed: %s", dsk_last_error());
         DSK_TEST_EXPECT(sy[1] == sy[0] && d2h[1] == d2h[0], "FP8 dispatch overlapped: %lld syncs, %lld copies back",
@@ -447,22 +460,25 @@ static char *ep_slots_bytes(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_t
 }
 
 /* Saved forwards over nccl: two micro-batches in 2 slots, calls in one piece, split in begin and end or in all
-   their steps, give the serial order's y, dx and gradients bit for bit, with the exact exchange and the
-   bounded one overlapped (whose calls make no host sync). */
+   their steps, give the serial order's y, dx and gradients bit for bit, with the exact exchange, the bounded
+   one overlapped (whose calls make no host sync) and the exact one overlapped and chunked. */
 static void ep_slots_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
                            int64_t row0, int64_t NT) {
-    for (int bounded = 0; bounded < 2; bounded++) {
+    for (int v = 0; v < 3; v++) { /* exact serial, bounded overlapped, exact overlapped and chunked */
         static const char *what[] = {"", "2 slots = serial: y, dx, gradients", "2 slots, split = serial",
                                      "2 slots, in steps = serial"};
+        static const char *ways[] = {"exact", "bounded", "exact chunked"};
         size_t n[4] = {0, 0, 0, 0};
         int64_t sy[4] = {-1, -1, -1, -1};
+        int bounded = v == 1;
         char *r[4];
         o.ep_exchange = bounded ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
-        o.ep_overlap = bounded;
+        o.ep_overlap = v > 0;
+        o.ep_chunk = v == 2 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
         for (int k = 0; k < 4; k++) /* 1 slot; 2; 2 split; 2 in steps */
             r[k] = ep_slots_bytes(c, g, o, gx, gdy, row0, NT, k ? 2 : 1, k >= 2 ? k - 1 : 0, &n[k], &sy[k]);
-        DSK_TEST_EXPECT(r[0] && r[1] && r[2] && r[3], "saved forwards (%s): a run failed: %s",
-                        bounded ? "bounded" : "exact", dsk_last_error());
+        DSK_TEST_EXPECT(r[0] && r[1] && r[2] && r[3], "saved forwards (%s): a run failed: %s", ways[v],
+                        dsk_last_error());
         DSK_TEST_EXPECT(!bounded || (sy[0] == 0 && sy[1] == 0 && sy[2] == 0 && sy[3] == 0),
                         "bounded: %lld, %lld, %lld and %lld host syncs (want 0)", (long long)sy[0], (long long)sy[1],
                         (long long)sy[2], (long long)sy[3]);
@@ -484,7 +500,7 @@ static void ep_two_hop_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
         o.capacity_factor = cap ? 0.75f : 0.0f;
         o.ep_route = DSK_MOE_ROUTE_FLAT;
         o.ep_overlap = 0;
-        a = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &na, &sa, &da);
+        a = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &na, &sa, &da, NULL);
         DSK_TEST_EXPECT(a, "capacity %g: the flat step failed: %s", (double)o.capacity_factor, dsk_last_error());
         o.ep_route = DSK_MOE_ROUTE_TWO_HOP;
         for (int ov = 0; ov < 2; ov++) {
@@ -492,7 +508,7 @@ static void ep_two_hop_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
             int64_t sb, db;
             char *b;
             o.ep_overlap = ov;
-            b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db);
+            b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db, NULL);
             DSK_TEST_EXPECT(b, "capacity %g: the two-hop step failed: %s", (double)o.capacity_factor, dsk_last_error());
             if (!cap && !ov && c->rank == 0)
                 printf(
