@@ -4313,7 +4313,6 @@ static dsk_status dsk__moe_experts_chunk_backward(dsk_moe *m, dsk_ctx *ctx, cons
     return DSK_OK;
 }
 
-/* Rows (n_kept of them, kept order) to their experts' ranks, regrouped expert-major into dst (R). */
 /* The flat exchange's all-to-all-v on the layer's communicator: whole, or begun (st->xch_begin). */
 static dsk_status dsk__moe_a2a(dsk_moe *m, dsk_ctx *ctx, const void *send, const int64_t *sc, const int64_t *sd,
                                void *recv, const int64_t *rc, const int64_t *rd, dsk_dtype dt) {
@@ -4329,6 +4328,7 @@ static dsk_status dsk__moe_stage_to_experts(dsk_moe *m, dsk_ctx *ctx, dsk_tensor
     return dsk_gather_rows(ctx, dst, &stage, &rg);
 }
 
+/* Rows (n_kept of them, kept order) to their experts' ranks, regrouped expert-major into dst (R). */
 static dsk_status dsk__moe_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size;
