@@ -285,7 +285,8 @@ static dsk_moe_opts ep_opts(int sigmoid) {
 }
 
 /* One step of a fresh layer of options o on this rank's rows gx, gdy (device): y, dx and the gradient slab
-   as host bytes (malloc'd, *n bytes); *syncs, *d2h: what the forward and backward did (after a reserve). */
+   as host bytes (malloc'd, *n bytes); *syncs, *d2h: what the forward and backward did (after a reserve);
+   *chunks (unless NULL): the forward's chunks (stats.ep_chunks). */
 static char *ep_step_bytes(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
                            int64_t row0, int64_t NT, size_t *n, int64_t *syncs, int64_t *d2h, int64_t *chunks) {
     dsk_moe m;
