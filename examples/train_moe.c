@@ -211,18 +211,14 @@ static dsk_dtype moment_dtype(const trainer *t) {
 
 /* ---- parallel setup */
 
-/* The rank grid of dsk_par.h (tp fastest, then dp with ep inside, then pp): its expert-
-   parallel group shares tokens by all-to-all, its expert-data-parallel group holds the same
-   experts and reduces their gradients together. Without --tp/--pp the ep group is ranks r with
-   the same r / ep and the replicas those with the same r % ep. */
-/* The options every rank must share (model shape, MoE, dtype, batch, layout), checked as soon
-   as the ranks meet, so a mismatch names the option rather than a collective's symptom. */
 /* The chunks a pipeline rank runs under schedule kind: --virtual-stages, or DualPipeV's 2 (the V: stages r and
    2 pp - 1 - r). dsk_plan sizes its layouts with it too. */
 static int pp_chunks(const options *o, dsk_par_schedule_kind kind) {
     return kind == DSK_PAR_DUALPIPE_V ? 2 : o->vstages;
 }
 
+/* The options every rank must share (model shape, MoE, dtype, batch, layout), checked as soon
+   as the ranks meet, so a mismatch names the option rather than a collective's symptom. */
 static void agreed_options(const options *o, char *buf, size_t n) {
     snprintf(buf, n,
              "seq=%d d_model=%d heads=%d layers=%d dense_layers=%d ffn_hidden=%d experts=%d shared=%d "
@@ -237,6 +233,10 @@ static void agreed_options(const options *o, char *buf, size_t n) {
              o->pair_micro);
 }
 
+/* The rank grid of dsk_par.h (tp fastest, then dp with ep inside, then pp): its expert-
+   parallel group shares tokens by all-to-all, its expert-data-parallel group holds the same
+   experts and reduces their gradients together. Without --tp/--pp the ep group is ranks r with
+   the same r / ep and the replicas those with the same r % ep. */
 static void setup_comm(trainer *t) {
     const options *o = t->o;
     t->rank = 0;
