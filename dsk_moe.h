@@ -4121,12 +4121,11 @@ static dsk_status dsk__moe_place_rank(const dsk_moe *m, dsk_ctx *ctx, const dsk_
     return DSK_OK;
 }
 
-/* The exchange's stage (sized when the exchange started) as R rows of D values of dt. */
-static dsk_tensor dsk__moe_stage_rows(dsk_moe *m, dsk_dtype dt) {
-    dsk_tensor t;
-    int64_t sh[2] = {m->st->f->R, m->opts.d_model};
-    (void)dsk_tensor_wrap(&t, dsk__moe_store_of(m->st, DSK__MOE_STAGE)->mem.data, dt, m->device, 2, sh);
-    return t;
+/* The exchange's stage as its R rows (act): where an all-to-all-v's rows land, by source rank. */
+static dsk_status dsk__moe_stage(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *stage) {
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->f->T, m->st->f->R, stage));
+    *stage = dsk__moe_rows(stage, m->st->f->R);
+    return DSK_OK;
 }
 
 #ifdef DSK_CUDA
@@ -4177,7 +4176,8 @@ static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk
 static dsk_status dsk__moe_place_landed(dsk__moe_async *a) {
     dsk_moe *m = a->m;
     struct dsk__moe_state *st = m->st;
-    dsk_tensor stage = dsk__moe_stage_rows(m, a->dst->dtype);
+    dsk_tensor stage;
+    DSK__TRY(dsk__moe_stage(m, a->ctx, &stage));
     for (int r = 0; r < m->ep_size; r++) {
         int placed = r == m->ep_rank; /* the layer places and computes its own rows */
         for (int k = 0; k < a->n_placed && !placed; k++) placed = st->arrival_order[k] == r;
@@ -4193,7 +4193,8 @@ static dsk_status dsk__moe_place_landed(dsk__moe_async *a) {
    on the layer's stream, which has waited for their events or for the exchange's end. */
 static dsk_status dsk__moe_place_shifts(dsk__moe_async *a, int k) {
     dsk_moe *m = a->m;
-    dsk_tensor stage = dsk__moe_stage_rows(m, a->dst->dtype);
+    dsk_tensor stage;
+    DSK__TRY(dsk__moe_stage(m, a->caller, &stage));
     for (; a->n_placed <= k; a->n_placed++) {
         int r = (m->ep_rank - a->n_placed - 1 + m->ep_size) % m->ep_size;
         DSK__TRY(dsk__moe_place_rank(m, a->caller, a->dst, &stage, r));
@@ -4250,6 +4251,14 @@ static dsk_status dsk__moe_chunk_segments(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *
     return dsk__moe_to_device(m, ctx, segs->data, h, (size_t)(2 * m->ep_size * El) * sizeof(int32_t));
 }
 
+/* Block (r, e)'s GEMM arguments: its one-segment offsets (segs: dsk__moe_chunk_segments) and local expert e's
+   weights ew[0..2] (w1, w2, w3, each (1, ., .)). */
+static void dsk__moe_block_args(const dsk_moe *m, const dsk_tensor *w, const dsk_tensor *segs, int r, int e,
+                                dsk_tensor *off, dsk_tensor *ew) {
+    dsk_tensor_slice(segs, 0, 2 * (r * m->n_local + e), 2, off);
+    for (int i = 0; i < 3; i++) dsk_tensor_slice(&w[i], 0, e, 1, &ew[i]);
+}
+
 /* Forward of rank r's chunk: (this rank's own: its rows placed from xs, kept order, into xr) the routed experts
    on r's rows of xr, expert by expert (segs: dsk__moe_chunk_segments): ob, h1, h3, a there. */
 static dsk_status dsk__moe_experts_chunk(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *segs,
@@ -4260,14 +4269,11 @@ static dsk_status dsk__moe_experts_chunk(dsk_moe *m, dsk_ctx *ctx, const dsk_ten
     for (int e = 0; e < m->n_local; e++) {
         dsk__moe_block(m, r, e, &r0, &n);
         if (!n) continue;
-        dsk_tensor w1, w2, w3, x = dsk__moe_row_range(xr, r0, n), o = dsk__moe_row_range(ob, r0, n);
+        dsk_tensor x = dsk__moe_row_range(xr, r0, n), o = dsk__moe_row_range(ob, r0, n);
         dsk_tensor p1 = dsk__moe_row_range(h1, r0, n), p3 = dsk__moe_row_range(h3, r0, n);
-        dsk_tensor pa = dsk__moe_row_range(a, r0, n), off;
-        dsk_tensor_slice(segs, 0, 2 * (r * m->n_local + e), 2, &off);
-        dsk_tensor_slice(&w[0], 0, e, 1, &w1);
-        dsk_tensor_slice(&w[1], 0, e, 1, &w2);
-        dsk_tensor_slice(&w[2], 0, e, 1, &w3);
-        DSK__TRY(dsk_swiglu_grouped(ctx, &o, &p1, &p3, &pa, &x, &w1, &w2, &w3, &off));
+        dsk_tensor pa = dsk__moe_row_range(a, r0, n), off, ew[3];
+        dsk__moe_block_args(m, w, segs, r, e, &off, ew);
+        DSK__TRY(dsk_swiglu_grouped(ctx, &o, &p1, &p3, &pa, &x, &ew[0], &ew[1], &ew[2], &off));
     }
     return DSK_OK;
 }
@@ -4300,15 +4306,12 @@ static dsk_status dsk__moe_experts_chunk_backward(dsk_moe *m, dsk_ctx *ctx, cons
         dsk_tensor g = dsk__moe_row_range(dor, r0, n), q = dsk__moe_row_range(da, r0, n);
         dsk_tensor p1 = dsk__moe_row_range(h1, r0, n), p3 = dsk__moe_row_range(h3, r0, n);
         dsk_tensor q1 = dsk__moe_row_range(dh1, r0, n), q3 = dsk__moe_row_range(dh3, r0, n);
-        dsk_tensor dx = dsk__moe_row_range(dxr, r0, n), w1, w2, w3, off;
-        dsk_tensor_slice(segs, 0, 2 * (r * m->n_local + e), 2, &off);
-        dsk_tensor_slice(&w[0], 0, e, 1, &w1);
-        dsk_tensor_slice(&w[1], 0, e, 1, &w2);
-        dsk_tensor_slice(&w[2], 0, e, 1, &w3);
-        DSK__TRY(dsk_matmul_grouped(ctx, &q, &g, 0, &w2, 0, &off, 1.0f, 0.0f));
+        dsk_tensor dx = dsk__moe_row_range(dxr, r0, n), off, ew[3];
+        dsk__moe_block_args(m, w, segs, r, e, &off, ew);
+        DSK__TRY(dsk_matmul_grouped(ctx, &q, &g, 0, &ew[1], 0, &off, 1.0f, 0.0f));
         DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &q1, &q3, &q, &p1, &p3));
-        DSK__TRY(dsk_matmul_grouped(ctx, &dx, &q1, 0, &w1, 0, &off, 1.0f, 0.0f));
-        DSK__TRY(dsk_matmul_grouped(ctx, &dx, &q3, 0, &w3, 0, &off, 1.0f, 1.0f));
+        DSK__TRY(dsk_matmul_grouped(ctx, &dx, &q1, 0, &ew[0], 0, &off, 1.0f, 0.0f));
+        DSK__TRY(dsk_matmul_grouped(ctx, &dx, &q3, 0, &ew[2], 0, &off, 1.0f, 1.0f));
     }
     return DSK_OK;
 }
@@ -4323,8 +4326,7 @@ static dsk_status dsk__moe_a2a(dsk_moe *m, dsk_ctx *ctx, const void *send, const
 /* The rows to the experts, landed in STAGE (by source rank), regrouped expert-major into dst. */
 static dsk_status dsk__moe_stage_to_experts(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst) {
     dsk_tensor stage, rg = dsk__moe_saved(m, DSK__MOE_RG);
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->f->T, m->st->f->R, &stage));
-    stage = dsk__moe_rows(&stage, m->st->f->R);
+    DSK__TRY(dsk__moe_stage(m, ctx, &stage));
     return dsk_gather_rows(ctx, dst, &stage, &rg);
 }
 
