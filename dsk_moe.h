@@ -151,22 +151,26 @@
      own rows need no transport, so the exchange begun carries only the other ranks' rows while the routed
      experts compute the own ones (forward: their MLP; backward: the input gradient of the output gradients'
      own rows), then each other rank's rows as they land: between chunks the layer moves the exchange on
-     (dsk_comm_progress, which says whose messages are whole) and places the rows of each rank that landed;
-     no thread (stats.ep_chunks counts the chunks). The results go back in one exchange begun after the last
-     chunk (forward: at dsk_moe_return_begin or the end; backward: the weight gradients compute while it
-     travels). Each expert's rows come by source rank, so a chunk is a sub-range of each expert's segment; a
-     row's results have the same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever
-     order the chunks run in, and the weight gradients, sums over rows, run once over whole segments after
-     the last chunk: the serial bits. On CUDA, where NCCL's grouped all-to-all completes as one, the other
-     ranks' rows go as P - 1 ring shifts on the exchanges' stream (shift s: to rank me + s, from me - s;
-     every rank in the same order), each followed by an event; the layer's stream computes its own rows,
-     then waits for each shift's event (the host does not wait), places that rank's rows and runs its
-     (rank, local expert) blocks, each one segment of the grouped GEMMs (offsets on the device, uploaded
-     once a call), forward and backward: the serial path's kernels on the same rows, so its bits (tests: 2
-     and 4 emulated GPUs, dropless and capacity, and the trainer's bf16 run). P - 1 collectives and up to
-     P El blocks' launches where serial has one of each, and the shifts run one peer pair at a time where
-     NCCL's grouped all-to-all moves every pair at once: a CUDA layer chunks when asked (ON), not by AUTO,
-     until a GPU measurement says where it pays.
+     (dsk_comm_progress, which says whose messages are whole); no thread (stats.ep_chunks counts the
+     chunks). A rank's rows land one after another in the exchange's order, its local experts' segments in
+     turn, so a chunk is one grouped call over them (each grouped GEMM one launch on CUDA, whatever
+     n_local), its results in that order too: the return sends them as they are, and after the last chunk
+     one gather a buffer puts the saved forward (inputs, h1, h3, a) and the backward's output gradients,
+     dh1 and dh3 expert-major, as serial leaves them (the backward fetches a chunk's h1 and h3 from there).
+     The results go back in one exchange begun after the last chunk (forward: at dsk_moe_return_begin or
+     the end; backward: the weight gradients compute while it travels). A row's results have the same bits
+     whatever rows share its GEMM (dsk_matmul's rows contract) and whatever order the chunks run in, and the
+     weight gradients, sums over rows, run once over whole expert-major segments after the last chunk: the
+     serial bits. On CUDA, where NCCL's grouped all-to-all completes as one, the other ranks' rows go as
+     P - 1 ring shifts on the exchanges' stream (shift s: to rank me + s, from me - s; every rank in the
+     same order), each followed by an event; the layer's stream computes its own rows, then waits for each
+     shift's event (the host does not wait) and runs that rank's chunk (offsets on the device, uploaded once
+     a call), forward and backward: the serial path's kernels on the same rows, so its bits (tests: 2 and 4
+     emulated GPUs, dropless and capacity, and the trainer's bf16 run). P - 1 collectives and P chunks'
+     launches (forward 4 a chunk, backward 8) where serial has one of each, and the shifts run one peer pair
+     at a time where NCCL's grouped all-to-all moves every pair at once: a CUDA layer chunks when asked
+     (ON), not by AUTO, until a GPU measurement says where it pays. Chunking takes (R, 5 F + D) of scratch
+     in the activation dtype (DSK__MOE_CH_*) beside the serial path's buffers.
      Routes across nodes (opts.ep_route): FLAT sends a row per kept (token, expert) to the expert's rank in
      one all-to-all-v; TWO_HOP sends each token's row once to every node holding one of its kept experts (to
      the rank with this rank's node_rank there, which copies it to its slots on that node: dsk_moe_route,
@@ -1302,7 +1306,14 @@ enum dsk__moe_buf_id {
     DSK__MOE_EP_SKEY,   /* (R) i32 the receiver's local expert of each send row, -1 */
     DSK__MOE_EP_RKEY,   /* (R) i32 the keys received */
     DSK__MOE_STAGE2,    /* (R, D) act rows received (bounded EP) */
-    DSK__MOE_CHUNK_SEG, /* (P n_local, 2) i32 chunked dispatch: {0, rows} of each (rank, local expert) block */
+    DSK__MOE_CHUNK_SEG, /* (P (n_local + 1)) i32 chunked dispatch: each rank's local experts' segments in its rows */
+    /* chunked dispatch (dsk__moe_chunking): rows in the exchange's order (by source rank, as STAGE) */
+    DSK__MOE_CH_Y,   /* (R, D) act the experts' outputs (forward), input gradients (backward): the return's rows */
+    DSK__MOE_CH_H1,  /* (R, F) act h1 */
+    DSK__MOE_CH_H3,  /* (R, F) act h3 */
+    DSK__MOE_CH_A,   /* (R, F) act silu(h1) h3 (forward), its gradient (backward) */
+    DSK__MOE_CH_DH1, /* (R, F) act backward */
+    DSK__MOE_CH_DH3, /* (R, F) act backward */
     /* FP8 experts' scratch, flat, viewed per GEMM (forward and backward) */
     DSK__MOE_W8,  /* e4m3 one projection's weights of every local expert (or a shared one), 128x128 blocks */
     DSK__MOE_W8S, /* f32 their scales */
@@ -1379,7 +1390,7 @@ struct dsk__moe_state {
     dsk__moe_store buf[DSK__MOE_NBUF - DSK__MOE_NSAVED];
     /* host side */
     int64_t *h_cnt;          /* (3 + 2E) counts on the host (CUDA: copied back when asked for) */
-    int *arrival_order;      /* (P) chunked dispatch: the other ranks whose rows are in place, in that order */
+    int *arrival_order;      /* (P) chunked dispatch: the other ranks whose rows have landed, in that order */
     int *landed;             /* (P) chunked dispatch: dsk_comm_progress's report */
     int64_t *fwd_loads;      /* (E) the last forward's stats.tokens_per_expert */
     int64_t *col_acc_i;      /* (5 + E) the last collected statistics (CUDA: pinned) */
@@ -1398,7 +1409,7 @@ struct dsk__moe_state {
                                            it after the layer's stream and the layer's stream after it */
     void **ev_shift;                    /* CUDA with ep_overlap: (P - 1) events, each after a chunked dispatch's
                                            ring shift on side (dsk__moe_others_to_experts) */
-    int32_t *chunk_seg;                 /* (2 P n_local) host: DSK__MOE_CHUNK_SEG's values */
+    int32_t *chunk_seg;                 /* (P (n_local + 1)) host: DSK__MOE_CHUNK_SEG's values */
 };
 
 static int64_t dsk__moe_max(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -1449,6 +1460,8 @@ static void dsk__moe_spec_fp8(const dsk_moe *m, int id, int64_t T, int64_t R, ds
     }
     if (*cols && !codes) *cols = dsk__moe_chunks(*cols);
 }
+
+static int dsk__moe_chunking(const dsk_moe *m, const dsk_ctx *ctx);
 
 /* The dtype and (rows, cols) of buffer id for T tokens and R expert rows (cols 0: 1-D), with N
    the loss span's rows (sequences of the sequence-wise loss) and act the activations' dtype. */
@@ -1542,7 +1555,19 @@ static void dsk__moe_spec_at(const dsk_moe *m, int id, int64_t T, int64_t R, int
         break;
     case DSK__MOE_CHUNK_SEG:
         *dt = DSK_I32;
-        *rows = ep ? 2 * (int64_t)m->ep_size * m->n_local : 0;
+        *rows = ep ? (int64_t)m->ep_size * (m->n_local + 1) : 0;
+        break;
+    case DSK__MOE_CH_Y:
+        *rows = dsk__moe_chunking(m, NULL) ? R : 0;
+        *cols = D;
+        break;
+    case DSK__MOE_CH_H1:
+    case DSK__MOE_CH_H3:
+    case DSK__MOE_CH_A:
+    case DSK__MOE_CH_DH1:
+    case DSK__MOE_CH_DH3:
+        *rows = dsk__moe_chunking(m, NULL) ? R : 0;
+        *cols = F;
         break;
     case DSK__MOE_STAGE2:
         *rows = bounded ? R : 0;
@@ -1897,7 +1922,7 @@ static dsk_status dsk__moe_alloc_state(dsk_moe *m, dsk_ctx *ctx) {
     st->h_cnt = (int64_t *)DSK_MALLOC((size_t)(3 + 2 * E) * sizeof(int64_t));
     st->arrival_order = (int *)DSK_MALLOC((size_t)P * sizeof(int));
     st->landed = (int *)DSK_MALLOC((size_t)P * sizeof(int));
-    st->chunk_seg = (int32_t *)DSK_MALLOC((size_t)(2 * P * m->n_local) * sizeof(int32_t));
+    st->chunk_seg = (int32_t *)DSK_MALLOC((size_t)(P * (m->n_local + 1)) * sizeof(int32_t));
     st->fwd_loads = (int64_t *)DSK_MALLOC((size_t)E * sizeof(int64_t));
 #ifdef DSK_CUDA
     if (m->device.type == DSK_DEV_CUDA) { /* statistics come back into pinned memory after an event */
@@ -3876,8 +3901,8 @@ typedef struct dsk__moe_async {
     dsk_ctx *ctx;
     const dsk_tensor *rows;
     dsk_tensor *dst;
-    int way, started, chunked; /* way: DSK__MOE_XCH_*; chunked: the other ranks' rows only, placed as they land */
-    int n_placed;              /* chunked: the other ranks whose rows are in place (st->arrival_order) */
+    int way, started, chunked; /* way: DSK__MOE_XCH_*; chunked: the other ranks' rows only, queued as they land */
+    int n_arrived;             /* chunked: the other ranks whose rows have landed (st->arrival_order) */
     int forked;                /* CUDA: the exchange was issued on st->side, after ev_fork */
     int begun;                 /* host: its all-to-all begun (dsk__moe_begins), finished at the wait or on the
                                   thread when the transport could not take all of it at the start */
@@ -3946,9 +3971,9 @@ static void *dsk__moe_async_main(void *p) {
 }
 
 static dsk_status dsk__moe_stage_to_experts(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst);
-static dsk_status dsk__moe_place_landed(dsk__moe_async *a);
+static void dsk__moe_queue_landed(dsk__moe_async *a);
 #ifdef DSK_CUDA
-static dsk_status dsk__moe_place_shifts(dsk__moe_async *a, int k);
+static void dsk__moe_queue_shifts(dsk__moe_async *a, int k);
 #endif
 
 /* Whether an overlapped host exchange runs without a thread: the flat exact exchange of activation rows, whose
@@ -3962,13 +3987,14 @@ static int dsk__moe_begins(const dsk_moe *m, int way) {
            (way != DSK__MOE_XCH_DISPATCH || m->opts.ep_dispatch != DSK_MOE_DISPATCH_FP8);
 }
 
-/* The begun exchange's end: its all-to-all finished, the rows to the experts regrouped (chunked: the rows of the
-   ranks not placed yet placed). */
+/* The begun exchange's end: its all-to-all finished, the rows to the experts regrouped (chunked: the ranks not
+   queued yet queued). */
 static dsk_status dsk__moe_exchange_finish(dsk__moe_async *a) {
     DSK__TRY(dsk_comm_finish(a->m->opts.ep, a->ctx));
     if (a->chunked) {
         for (int r = 0; r < a->m->ep_size; r++) a->m->st->landed[r] = 1;
-        return dsk__moe_place_landed(a);
+        dsk__moe_queue_landed(a);
+        return DSK_OK;
     }
     return a->way == DSK__MOE_XCH_FROM_EXPERTS ? DSK_OK : dsk__moe_stage_to_experts(a->m, a->ctx, a->dst);
 }
@@ -4052,8 +4078,7 @@ static dsk_status dsk__moe_exchange_wait(dsk__moe_async *a) {
         dsk_ctx_counters *c = &a->caller->counters, *s0 = &a->at_fork, *s1 = &a->side.counters;
         dsk_status s = dsk_cuda_stream_record(st->side, st->ev_join);
         if (s == DSK_OK) s = dsk_cuda_stream_wait_event(a->caller->stream, st->ev_join);
-        if (s == DSK_OK && a->st == DSK_OK && a->chunked) /* the ranks the experts have not come to yet */
-            s = dsk__moe_place_shifts(a, a->m->ep_size - 2);
+        if (a->chunked) dsk__moe_queue_shifts(a, a->m->ep_size - 2); /* the ranks the experts have not come to */
         c->syncs += s1->syncs - s0->syncs; /* what the exchange counted on the side ctx */
         c->d2h_copies += s1->d2h_copies - s0->d2h_copies;
         c->d2h_bytes += s1->d2h_bytes - s0->d2h_bytes;
@@ -4076,10 +4101,11 @@ static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s) {
 
 /* ---- chunked dispatch (opts.ep_chunk): the routed experts compute this rank's own rows (they need no
    transport) while the exchange begun carries the other ranks', then each other rank's rows as they land
-   (dsk_comm_progress between chunks), in that order. In the expert-major layout each expert's rows come by source
-   rank, so rank r's chunk is r's block of each expert's segment. A row's outputs and input gradients have the
-   same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever order the chunks run in; the
-   weight gradients, sums over rows, run once over the whole segments after the last chunk, as serial. */
+   (dsk_comm_progress between chunks), in that order. Each chunk computes in the exchange's order (STAGE: by
+   source rank, a rank's local experts' segments in turn): one grouped call over rank r's rows. A row's outputs
+   and input gradients have the same bits whatever rows share its GEMM (dsk_matmul's rows contract) and whatever
+   order the chunks run in; what the weight gradients need is regrouped expert-major after the last chunk, where
+   they sum whole segments, as serial. */
 
 /* Chunks on this call: ON (or AUTO with a CPU layer's ep group across nodes), ep_overlap (CUDA: its exchanges'
    stream), the exact flat exchange of activation rows, ACT experts; on the CPU (f32) the default ISA's row kernels
@@ -4095,30 +4121,12 @@ static int dsk__moe_chunking(const dsk_moe *m, const dsk_ctx *ctx) {
     return m->st->act == DSK_F32 && (!ctx || ctx->cpu_isa == dsk_cpu_isa_auto());
 }
 
-/* Rows of local expert e from rank r: [*r0, *r0 + *n) of the expert-major layout. */
-static void dsk__moe_block(const dsk_moe *m, int r, int e, int64_t *r0, int64_t *n) {
-    const struct dsk__moe_state *st = m->st;
-    int El = m->n_local;
-    *r0 = st->f->local_off[e];
-    for (int q = 0; q < r; q++) *r0 += st->f->h_recv_cnt[q * El + e];
-    *n = st->f->h_recv_cnt[r * El + e];
-}
-
-/* Copies rank r's (rank, local expert) blocks of rows from src to their places in dst (expert-major), on ctx's
-   stream. src: the exchange's rank-major receive buffer, or for this rank's own rows the send buffer (kept order,
-   where its rows to itself lie in the same order). Plain copies: the regroup's bits. */
-static dsk_status dsk__moe_place_rank(const dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *dst, const dsk_tensor *src,
-                                      int r) {
-    const struct dsk__moe_state *st = m->st;
-    int P = m->ep_size;
-    int64_t from = (r == m->ep_rank ? st->f->a2a[P + r] : st->f->a2a[3 * P + r]) / m->opts.d_model, to, n;
-    for (int e = 0; e < m->n_local; e++, from += n) {
-        dsk__moe_block(m, r, e, &to, &n);
-        if (!n) continue;
-        dsk_tensor d = dsk__moe_row_range(dst, to, n), s = dsk__moe_row_range(src, from, n);
-        DSK__TRY(dsk_tensor_copy(ctx, &d, &s));
-    }
-    return DSK_OK;
+/* Rank r's rows in the exchange's order (STAGE, by source rank): [*r0, *r0 + *n), its local experts' segments
+   one after the other. */
+static void dsk__moe_stage_span(const dsk_moe *m, int r, int64_t *r0, int64_t *n) {
+    const int64_t *a = m->st->f->a2a;
+    *r0 = a[3 * m->ep_size + r] / m->opts.d_model;
+    *n = a[2 * m->ep_size + r] / m->opts.d_model;
 }
 
 /* The exchange's stage as its R rows (act): where an all-to-all-v's rows land, by source rank. */
@@ -4126,6 +4134,19 @@ static dsk_status dsk__moe_stage(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *stage) {
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->f->T, m->st->f->R, stage));
     *stage = dsk__moe_rows(stage, m->st->f->R);
     return DSK_OK;
+}
+
+/* This rank's own rows (src: the send buffer, kept order, where its rows to itself lie in the exchange's order)
+   copied to their place in STAGE, which the chunked exchange leaves to the layer. */
+static dsk_status dsk__moe_own_to_stage(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *src) {
+    int64_t r0, n, from = m->st->f->a2a[m->ep_size + m->ep_rank] / m->opts.d_model;
+    dsk_tensor stage, d, x;
+    dsk__moe_stage_span(m, m->ep_rank, &r0, &n);
+    if (!n) return DSK_OK;
+    DSK__TRY(dsk__moe_stage(m, ctx, &stage));
+    d = dsk__moe_row_range(&stage, r0, n);
+    x = dsk__moe_row_range(src, from, n);
+    return dsk_tensor_copy(ctx, &d, &x);
 }
 
 #ifdef DSK_CUDA
@@ -4171,36 +4192,22 @@ static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk
                                        rows->dtype, &st->xch_unsent);
 }
 
-/* Places the rows of each other rank that st->landed reports and a has not placed yet (expert-major, into a->dst
-   from STAGE) and queues the rank in st->arrival_order. */
-static dsk_status dsk__moe_place_landed(dsk__moe_async *a) {
-    dsk_moe *m = a->m;
-    struct dsk__moe_state *st = m->st;
-    dsk_tensor stage;
-    DSK__TRY(dsk__moe_stage(m, a->ctx, &stage));
-    for (int r = 0; r < m->ep_size; r++) {
-        int placed = r == m->ep_rank; /* the layer places and computes its own rows */
-        for (int k = 0; k < a->n_placed && !placed; k++) placed = st->arrival_order[k] == r;
-        if (placed || !st->landed[r]) continue;
-        DSK__TRY(dsk__moe_place_rank(m, a->ctx, a->dst, &stage, r));
-        st->arrival_order[a->n_placed++] = r;
+/* Queues in st->arrival_order each other rank that st->landed reports and a has not queued yet. */
+static void dsk__moe_queue_landed(dsk__moe_async *a) {
+    struct dsk__moe_state *st = a->m->st;
+    for (int r = 0; r < a->m->ep_size; r++) {
+        int queued = r == a->m->ep_rank; /* the layer computes its own rows first */
+        for (int k = 0; k < a->n_arrived && !queued; k++) queued = st->arrival_order[k] == r;
+        if (!queued && st->landed[r]) st->arrival_order[a->n_arrived++] = r;
     }
-    return DSK_OK;
 }
 
 #ifdef DSK_CUDA
-/* CUDA: places the ranks of the ring shifts up to shift k + 1 not placed yet (rank me - j - 1 for shift j + 1),
-   on the layer's stream, which has waited for their events or for the exchange's end. */
-static dsk_status dsk__moe_place_shifts(dsk__moe_async *a, int k) {
-    dsk_moe *m = a->m;
-    dsk_tensor stage;
-    DSK__TRY(dsk__moe_stage(m, a->caller, &stage));
-    for (; a->n_placed <= k; a->n_placed++) {
-        int r = (m->ep_rank - a->n_placed - 1 + m->ep_size) % m->ep_size;
-        DSK__TRY(dsk__moe_place_rank(m, a->caller, a->dst, &stage, r));
-        m->st->arrival_order[a->n_placed] = r;
-    }
-    return DSK_OK;
+/* CUDA: queues the ranks of the ring shifts up to shift k + 1 not queued yet (rank me - j - 1 for shift j + 1),
+   whose rows the layer's stream reads once it has waited for their events or for the exchange's end. */
+static void dsk__moe_queue_shifts(dsk__moe_async *a, int k) {
+    for (; a->n_arrived <= k; a->n_arrived++)
+        a->m->st->arrival_order[a->n_arrived] = (a->m->ep_rank - a->n_arrived - 1 + a->m->ep_size) % a->m->ep_size;
 }
 #endif
 
@@ -4211,71 +4218,77 @@ static int dsk__moe_arrival_failed(dsk__moe_async *a, dsk_status s) {
     return -1;
 }
 
-/* The k-th other rank whose rows are in place, moving the begun exchange on (dsk_comm_progress, waiting) until
-   they are; CUDA: rank me - k - 1 of the ring shifts, placed on the layer's stream once it waits for the shift's
-   event (the host does not wait). -1 once all P - 1 came, or on the exchange's error (kept for the join). */
+/* The k-th other rank whose rows have landed, moving the begun exchange on (dsk_comm_progress, waiting) until
+   they have; CUDA: rank me - k - 1 of the ring shifts, once the layer's stream waits for the shift's event (the
+   host does not wait). -1 once all P - 1 came, or on the exchange's error (kept for the join). */
 static int dsk__moe_next_arrival(dsk__moe_async *a, int k) {
     dsk_moe *m = a->m;
     dsk_status s;
     if (k >= m->ep_size - 1 || a->st != DSK_OK) return -1;
 #ifdef DSK_CUDA
     if (a->forked) {
-        if ((s = dsk_cuda_stream_wait_event(a->caller->stream, m->st->ev_shift[k])) != DSK_OK ||
-            (s = dsk__moe_place_shifts(a, k)) != DSK_OK)
+        if ((s = dsk_cuda_stream_wait_event(a->caller->stream, m->st->ev_shift[k])) != DSK_OK)
             return dsk__moe_arrival_failed(a, s);
+        dsk__moe_queue_shifts(a, k);
         return m->st->arrival_order[k];
     }
 #endif
-    while (a->n_placed <= k) {
+    while (a->n_arrived <= k) {
         if (!a->begun) return -1;
-        if ((s = dsk_comm_progress(m->opts.ep, a->ctx, 1, m->st->landed, NULL)) != DSK_OK ||
-            (s = dsk__moe_place_landed(a)) != DSK_OK)
+        if ((s = dsk_comm_progress(m->opts.ep, a->ctx, 1, m->st->landed, NULL)) != DSK_OK)
             return dsk__moe_arrival_failed(a, s);
+        dsk__moe_queue_landed(a);
     }
     return m->st->arrival_order[k];
 }
 
-/* The offsets {0, rows} of every (rank, local expert) block of this forward, on the layer's device
-   (DSK__MOE_CHUNK_SEG, block r * n_local + e at 2 (r * n_local + e)): each block is one segment of the grouped
-   GEMMs of its chunk. */
+/* Each rank's local experts' segments in its rows of the stage (n_local + 1 offsets from 0, rank r's at
+   r (n_local + 1) of DSK__MOE_CHUNK_SEG), on the layer's device: the offsets of a chunk's grouped GEMMs. */
 static dsk_status dsk__moe_chunk_segments(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *segs) {
-    int32_t *h = m->st->chunk_seg;
-    int64_t r0, n, El = m->n_local;
+    int El = m->n_local;
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_CHUNK_SEG, 0, 0, segs));
-    for (int r = 0; r < m->ep_size; r++)
-        for (int e = 0; e < El; e++) {
-            dsk__moe_block(m, r, e, &r0, &n);
-            h[2 * (r * El + e)] = 0;
-            h[2 * (r * El + e) + 1] = (int32_t)n;
-        }
-    return dsk__moe_to_device(m, ctx, segs->data, h, (size_t)(2 * m->ep_size * El) * sizeof(int32_t));
-}
-
-/* Block (r, e)'s GEMM arguments: its one-segment offsets (segs: dsk__moe_chunk_segments) and local expert e's
-   weights ew[0..2] (w1, w2, w3, each (1, ., .)). */
-static void dsk__moe_block_args(const dsk_moe *m, const dsk_tensor *w, const dsk_tensor *segs, int r, int e,
-                                dsk_tensor *off, dsk_tensor *ew) {
-    dsk_tensor_slice(segs, 0, 2 * (r * m->n_local + e), 2, off);
-    for (int i = 0; i < 3; i++) dsk_tensor_slice(&w[i], 0, e, 1, &ew[i]);
-}
-
-/* Forward of rank r's chunk: (this rank's own: its rows placed from xs, kept order, into xr) the routed experts
-   on r's rows of xr, expert by expert (segs: dsk__moe_chunk_segments): ob, h1, h3, a there. */
-static dsk_status dsk__moe_experts_chunk(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *segs,
-                                         const dsk_tensor *xs, const dsk_tensor *xr, dsk_tensor *ob, dsk_tensor *h1,
-                                         dsk_tensor *h3, dsk_tensor *a, int r) {
-    int64_t r0, n;
-    if (r == m->ep_rank) DSK__TRY(dsk__moe_place_rank(m, ctx, xr, xs, r));
-    for (int e = 0; e < m->n_local; e++) {
-        dsk__moe_block(m, r, e, &r0, &n);
-        if (!n) continue;
-        dsk_tensor x = dsk__moe_row_range(xr, r0, n), o = dsk__moe_row_range(ob, r0, n);
-        dsk_tensor p1 = dsk__moe_row_range(h1, r0, n), p3 = dsk__moe_row_range(h3, r0, n);
-        dsk_tensor pa = dsk__moe_row_range(a, r0, n), off, ew[3];
-        dsk__moe_block_args(m, w, segs, r, e, &off, ew);
-        DSK__TRY(dsk_swiglu_grouped(ctx, &o, &p1, &p3, &pa, &x, &ew[0], &ew[1], &ew[2], &off));
+    for (int r = 0; r < m->ep_size; r++) {
+        int32_t *o = m->st->chunk_seg + r * (El + 1);
+        o[0] = 0;
+        for (int e = 0; e < El; e++) o[e + 1] = o[e] + (int32_t)m->st->f->h_recv_cnt[r * El + e];
     }
+    return dsk__moe_to_device(m, ctx, segs->data, m->st->chunk_seg, (size_t)(m->ep_size * (El + 1)) * sizeof(int32_t));
+}
+
+/* The chunked calls' buffers (DSK__MOE_CH_Y .. CH_DH3, rows in the exchange's order) into ch. */
+static dsk_status dsk__moe_chunk_bufs(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *ch) {
+    for (int id = DSK__MOE_CH_Y; id <= DSK__MOE_CH_DH3; id++)
+        DSK__TRY(dsk__moe_buf(m, ctx, id, m->st->f->T, m->st->f->R, &ch[id - DSK__MOE_CH_Y]));
     return DSK_OK;
+}
+
+/* Rank r's chunk: its rows [*r0, *r0 + *n) of the stage-ordered buffers, and its segments' offsets. */
+static void dsk__moe_chunk_span(const dsk_moe *m, const dsk_tensor *segs, int r, int64_t *r0, int64_t *n,
+                                dsk_tensor *off) {
+    dsk__moe_stage_span(m, r, r0, n);
+    dsk_tensor_slice(segs, 0, r * (m->n_local + 1), m->n_local + 1, off);
+}
+
+#define DSK__MOE_CH_N (DSK__MOE_CH_DH3 - DSK__MOE_CH_Y + 1)
+#define DSK__MOE_CH(ch, id) (ch)[DSK__MOE_##id - DSK__MOE_CH_Y] /* ch's buffer DSK__MOE_id */
+
+/* Rows [r0, r0 + n) of each of the chunked calls' buffers ch into v. */
+static void dsk__moe_chunk_rows(const dsk_tensor *ch, int64_t r0, int64_t n, dsk_tensor *v) {
+    for (int i = 0; i < DSK__MOE_CH_N; i++) v[i] = dsk__moe_row_range(&ch[i], r0, n);
+}
+
+/* Forward of rank r's chunk: the routed experts on r's rows of the stage, every local expert in one grouped call
+   (segs: dsk__moe_chunk_segments), the outputs, h1, h3 and a into the same rows of ch. */
+static dsk_status dsk__moe_experts_chunk(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *segs,
+                                         const dsk_tensor *stage, const dsk_tensor *ch, int r) {
+    int64_t r0, n;
+    dsk_tensor off, x, v[DSK__MOE_CH_N];
+    dsk__moe_chunk_span(m, segs, r, &r0, &n, &off);
+    if (!n) return DSK_OK;
+    dsk__moe_chunk_rows(ch, r0, n, v);
+    x = dsk__moe_row_range(stage, r0, n);
+    return dsk_swiglu_grouped(ctx, &DSK__MOE_CH(v, CH_Y), &DSK__MOE_CH(v, CH_H1), &DSK__MOE_CH(v, CH_H3),
+                              &DSK__MOE_CH(v, CH_A), &x, &w[0], &w[1], &w[2], &off);
 }
 
 /* The SwiGLU gradient dh1, dh3 WRITTEN from da, h1, h3 (all (n, F) act). */
@@ -4291,29 +4304,27 @@ static dsk_status dsk__moe_swiglu_grad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dh1
     return dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3);
 }
 
-/* Backward of rank r's chunk: (this rank's own: its output-gradient rows placed from dos, kept order, into dor)
-   the per-row part of the experts' backward on r's rows (da, dh1, dh3 and the input gradient dxr there:
-   dsk_swiglu_grouped_backward's arithmetic, its rows-form GEMMs on one segment a block), expert by expert. */
+/* Backward of rank r's chunk: the per-row part of the experts' backward on r's rows of the stage (their output
+   gradients): h1 and h3 of those rows gathered from the saved forward (RGI), then da, dh1, dh3 and the input
+   gradient into the same rows of ch (dsk_swiglu_grouped_backward's arithmetic, its rows-form GEMMs), every local
+   expert in one grouped call a product. */
 static dsk_status dsk__moe_experts_chunk_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *segs,
-                                                  const dsk_tensor *dos, const dsk_tensor *dor, const dsk_tensor *h1,
-                                                  const dsk_tensor *h3, dsk_tensor *da, dsk_tensor *dh1,
-                                                  dsk_tensor *dh3, dsk_tensor *dxr, int r) {
+                                                  const dsk_tensor *stage, const dsk_tensor *h1, const dsk_tensor *h3,
+                                                  const dsk_tensor *ch, int r) {
     int64_t r0, n;
-    if (r == m->ep_rank) DSK__TRY(dsk__moe_place_rank(m, ctx, dor, dos, r));
-    for (int e = 0; e < m->n_local; e++) {
-        dsk__moe_block(m, r, e, &r0, &n);
-        if (!n) continue;
-        dsk_tensor g = dsk__moe_row_range(dor, r0, n), q = dsk__moe_row_range(da, r0, n);
-        dsk_tensor p1 = dsk__moe_row_range(h1, r0, n), p3 = dsk__moe_row_range(h3, r0, n);
-        dsk_tensor q1 = dsk__moe_row_range(dh1, r0, n), q3 = dsk__moe_row_range(dh3, r0, n);
-        dsk_tensor dx = dsk__moe_row_range(dxr, r0, n), off, ew[3];
-        dsk__moe_block_args(m, w, segs, r, e, &off, ew);
-        DSK__TRY(dsk_matmul_grouped(ctx, &q, &g, 0, &ew[1], 0, &off, 1.0f, 0.0f));
-        DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &q1, &q3, &q, &p1, &p3));
-        DSK__TRY(dsk_matmul_grouped(ctx, &dx, &q1, 0, &ew[0], 0, &off, 1.0f, 0.0f));
-        DSK__TRY(dsk_matmul_grouped(ctx, &dx, &q3, 0, &ew[2], 0, &off, 1.0f, 1.0f));
-    }
-    return DSK_OK;
+    dsk_tensor off, dy, at, rgi = dsk__moe_saved(m, DSK__MOE_RGI), v[DSK__MOE_CH_N];
+    dsk__moe_chunk_span(m, segs, r, &r0, &n, &off);
+    if (!n) return DSK_OK;
+    dsk__moe_chunk_rows(ch, r0, n, v);
+    dy = dsk__moe_row_range(stage, r0, n);
+    at = dsk__moe_row_range(&rgi, r0, n); /* where the forward saved these rows' h1 and h3 */
+    DSK__TRY(dsk_gather_rows(ctx, &DSK__MOE_CH(v, CH_H1), h1, &at));
+    DSK__TRY(dsk_gather_rows(ctx, &DSK__MOE_CH(v, CH_H3), h3, &at));
+    DSK__TRY(dsk_matmul_grouped(ctx, &DSK__MOE_CH(v, CH_A), &dy, 0, &w[1], 0, &off, 1.0f, 0.0f));
+    DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &DSK__MOE_CH(v, CH_DH1), &DSK__MOE_CH(v, CH_DH3), &DSK__MOE_CH(v, CH_A),
+                                  &DSK__MOE_CH(v, CH_H1), &DSK__MOE_CH(v, CH_H3)));
+    DSK__TRY(dsk_matmul_grouped(ctx, &DSK__MOE_CH(v, CH_Y), &DSK__MOE_CH(v, CH_DH1), 0, &w[0], 0, &off, 1.0f, 0.0f));
+    return dsk_matmul_grouped(ctx, &DSK__MOE_CH(v, CH_Y), &DSK__MOE_CH(v, CH_DH3), 0, &w[2], 0, &off, 1.0f, 1.0f);
 }
 
 /* The flat exchange's all-to-all-v on the layer's communicator: whole, or begun (st->xch_begin). */
@@ -4323,11 +4334,17 @@ static dsk_status dsk__moe_a2a(dsk_moe *m, dsk_ctx *ctx, const void *send, const
     return dsk_comm_all_to_all_v_start(m->opts.ep, ctx, send, sc, sd, recv, rc, rd, dt, &m->st->xch_unsent);
 }
 
+/* Rows in the exchange's order (src, R of them by source rank) regrouped expert-major into dst. */
+static dsk_status dsk__moe_regroup(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src) {
+    dsk_tensor rg = dsk__moe_saved(m, DSK__MOE_RG);
+    return dsk_gather_rows(ctx, dst, src, &rg);
+}
+
 /* The rows to the experts, landed in STAGE (by source rank), regrouped expert-major into dst. */
 static dsk_status dsk__moe_stage_to_experts(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst) {
-    dsk_tensor stage, rg = dsk__moe_saved(m, DSK__MOE_RG);
+    dsk_tensor stage;
     DSK__TRY(dsk__moe_stage(m, ctx, &stage));
-    return dsk_gather_rows(ctx, dst, &stage, &rg);
+    return dsk__moe_regroup(m, ctx, dst, &stage);
 }
 
 /* Rows (n_kept of them, kept order) to their experts' ranks, regrouped expert-major into dst (R). */
@@ -4678,6 +4695,9 @@ static dsk_status dsk__moe_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tens
     if (m->opts.ep_route == DSK_MOE_ROUTE_TWO_HOP) return dsk__moe_hop_from_experts(m, ctx, rows, dst);
     dsk__moe_count_off(m, dsk__moe_flat_off(m, 1, (size_t)m->opts.d_model * dsk_dtype_size(rows->dtype)));
     if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) return dsk__moe_from_experts_bounded(m, ctx, rows, dst);
+    if (st->chunked) /* the chunks computed in the exchange's order */
+        return dsk__moe_a2a(m, ctx, rows->data, st->f->a2a + 2 * P, st->f->a2a + 3 * P, dst->data, st->f->a2a,
+                            st->f->a2a + P, rows->dtype);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &stage));
     rgi = dsk__moe_saved(m, DSK__MOE_RGI);
     stage = dsk__moe_rows(&stage, st->f->R);
@@ -4929,8 +4949,30 @@ static dsk_status dsk__moe_pending_join(dsk__moe_pending *p) {
     return dsk__moe_exchange_wait(&p->xch);
 }
 
-/* A forward's experts: the shared experts (while the rows travel), the routed experts (chunked: this rank's
-   own rows while the other ranks' travel, then each other rank's as it lands) into p->ob. */
+/* The routed experts of a chunked forward: this rank's own rows while the other ranks' travel, then each other
+   rank's as they land, in the exchange's order (the outputs there, p->ob, are the return's rows); then the
+   saved forward's inputs, h1, h3 and a expert-major, as the serial path leaves them. */
+static dsk_status dsk__moe_forward_chunks(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *h1, dsk_tensor *h3, dsk_tensor *a) {
+    struct dsk__moe_state *st = m->st;
+    dsk__moe_pending *p = st->pend;
+    dsk__moe_async *xch = &p->xch;
+    dsk_tensor segs, stage, ch[DSK__MOE_CH_N];
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunk_segments(m, ctx, &segs)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunk_bufs(m, ctx, ch)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_stage(m, ctx, &stage)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_own_to_stage(m, ctx, &p->xs)));
+    for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, k++), st->fwd_chunks++)
+        DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_experts_chunk(m, ctx, p->w, &segs, &stage, ch, r)));
+    DSK__TRY(dsk__moe_pending_join(p));
+    p->ob = dsk__moe_rows(&DSK__MOE_CH(ch, CH_Y), p->R);
+    DSK__TRY(dsk__moe_stage_to_experts(m, ctx, &p->xr));
+    DSK__TRY(dsk__moe_regroup(m, ctx, h1, &DSK__MOE_CH(ch, CH_H1)));
+    DSK__TRY(dsk__moe_regroup(m, ctx, h3, &DSK__MOE_CH(ch, CH_H3)));
+    return dsk__moe_regroup(m, ctx, a, &DSK__MOE_CH(ch, CH_A));
+}
+
+/* A forward's experts: the shared experts (while the rows travel), the routed experts (chunked:
+   dsk__moe_forward_chunks) into p->ob. */
 static dsk_status dsk__moe_forward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
     dsk__moe_pending *p = st->pend;
@@ -4948,14 +4990,7 @@ static dsk_status dsk__moe_forward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
         DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_A, T, R, &a)));
     }
     st->fwd_chunks = 0;
-    if (ep && st->chunked) {
-        dsk_tensor segs;
-        DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunk_segments(m, ctx, &segs)));
-        for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&p->xch, k++), st->fwd_chunks++)
-            DSK__TRY(dsk__moe_join_on_error(
-                xch, dsk__moe_experts_chunk(m, ctx, w, &segs, &p->xs, &p->xr, &p->ob, &h1, &h3, &a, r)));
-        return dsk__moe_pending_join(p);
-    }
+    if (ep && st->chunked) return dsk__moe_forward_chunks(m, ctx, &h1, &h3, &a);
     DSK__TRY(dsk__moe_pending_join(p));
     if (fp8) {
         DSK__TRY(DSK__MOE_F8(dsk__moe_f8_rows(m, ctx, &p->row_tok, &p->xr)));
@@ -5117,9 +5152,30 @@ static dsk_status dsk__moe_chunked_wgrad(dsk_moe *m, dsk_ctx *ctx) {
     return dsk_matmul_grouped(ctx, &m->w3->grad, &dh3, 1, &k.xr, 0, &k.offsets, 1.0f, 1.0f);
 }
 
+/* The per-row part of a chunked backward, as its forward (dsk__moe_forward_chunks): the input gradients in the
+   exchange's order (p->dxr, the return's rows); then the output gradients, dh1 and dh3 expert-major for the
+   weight gradients, which wait for the return's start (dsk__moe_backward_return_impl). */
+static dsk_status dsk__moe_backward_chunks(dsk_moe *m, dsk_ctx *ctx, const dsk__moe_kept *k, dsk_tensor *dh1,
+                                           dsk_tensor *dh3) {
+    dsk__moe_pending *p = m->st->pend;
+    dsk__moe_async *xch = &p->xch;
+    dsk_tensor segs, stage, ch[DSK__MOE_CH_N];
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunk_segments(m, ctx, &segs)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunk_bufs(m, ctx, ch)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_stage(m, ctx, &stage)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_own_to_stage(m, ctx, &p->dos)));
+    for (int c = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, c++))
+        DSK__TRY(dsk__moe_join_on_error(
+            xch, dsk__moe_experts_chunk_backward(m, ctx, p->w, &segs, &stage, &k->h1, &k->h3, ch, r)));
+    DSK__TRY(dsk__moe_pending_join(p));
+    p->dxr = dsk__moe_rows(&DSK__MOE_CH(ch, CH_Y), p->R);
+    DSK__TRY(dsk__moe_stage_to_experts(m, ctx, &p->dor));
+    DSK__TRY(dsk__moe_regroup(m, ctx, dh1, &DSK__MOE_CH(ch, CH_DH1)));
+    return dsk__moe_regroup(m, ctx, dh3, &DSK__MOE_CH(ch, CH_DH3));
+}
+
 /* A backward's experts: the shared experts' backward while the rows travel, the routed experts' (chunked:
-   this rank's own rows while the others' travel, then each other rank's as it lands; the weight gradients wait
-   for the return's start, dsk__moe_backward_return_impl) into p->dxr. */
+   dsk__moe_backward_chunks) into p->dxr. */
 static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     struct dsk__moe_state *st = m->st;
     dsk__moe_pending *p = st->pend;
@@ -5135,15 +5191,7 @@ static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1)));
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3)));
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &p->dxr)));
-    if (ep && st->chunked) { /* as the forward; the weight gradients follow the return's start */
-        dsk_tensor segs;
-        DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunk_segments(m, ctx, &segs)));
-        for (int c = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(&p->xch, c++))
-            DSK__TRY(
-                dsk__moe_join_on_error(xch, dsk__moe_experts_chunk_backward(m, ctx, w, &segs, &p->dos, &p->dor, &k.h1,
-                                                                            &k.h3, &da, &dh1, &dh3, &p->dxr, r)));
-        return dsk__moe_pending_join(p);
-    }
+    if (ep && st->chunked) return dsk__moe_backward_chunks(m, ctx, &k, &dh1, &dh3);
     DSK__TRY(dsk__moe_pending_join(p));
     if (!ep) p->dxp = p->dxr;
     if (fp8) return DSK__MOE_F8(dsk__moe_f8_experts_backward(m, ctx, w, &k.offsets, &p->dor, &p->dxr));

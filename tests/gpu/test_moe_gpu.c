@@ -14,6 +14,7 @@
 #include "dsk_amp.h" /* before dsk_moe.h: the FP8 experts */
 #include "dsk_moe.h"
 #include "tests/dsk_test.h"
+#include <cuda_runtime.h> /* the emulator's declares cuda_emu_launches */
 
 typedef struct gcase {
     const char *name;
@@ -284,11 +285,23 @@ static dsk_moe_opts ep_opts(int sigmoid) {
     return o;
 }
 
+/* Launches of the grouped GEMMs' rows form so far, as the emulator counts them (-1 on a GPU). */
+static int64_t gmm_rows_launches(void) {
+#ifdef CUDA_EMU
+    return cuda_emu_launches("dsk__k_gmm_rows_simt") + cuda_emu_launches("dsk__k_gmm_rows_bf16") +
+           cuda_emu_launches("dsk__k_gmm_rows_f16");
+#else
+    return -1;
+#endif
+}
+
 /* One step of a fresh layer of options o on this rank's rows gx, gdy (device): y, dx and the gradient slab
    as host bytes (malloc'd, *n bytes); *syncs, *d2h: what the forward and backward did (after a reserve);
-   *chunks (unless NULL): the forward's chunks (stats.ep_chunks). */
+   *chunks (unless NULL): the forward's chunks (stats.ep_chunks); *gmm (unless NULL): the rows-form grouped GEMM
+   launches of the forward and backward (gmm_rows_launches). */
 static char *ep_step_bytes(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
-                           int64_t row0, int64_t NT, size_t *n, int64_t *syncs, int64_t *d2h, int64_t *chunks) {
+                           int64_t row0, int64_t NT, size_t *n, int64_t *syncs, int64_t *d2h, int64_t *chunks,
+                           int64_t *gmm) {
     dsk_moe m;
     owned mo;
     dsk_tensor gy, gdx, h;
@@ -303,11 +316,14 @@ static char *ep_step_bytes(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_te
         dsk_tensor_fill(g, &gdx, 0.0) != DSK_OK || dsk_ctx_sync(g) != DSK_OK)
         goto done;
     c0 = g->counters;
+    if (gmm) *gmm = -gmm_rows_launches();
     if (dsk_moe_forward(&m, g, &gy, gx, NULL) != DSK_OK) goto done;
     if (chunks) *chunks = m.st->fwd_chunks; /* stats.ep_chunks, read without the statistics' copy back */
     if (dsk_moe_backward(&m, g, &gdx, gdy, 1.0f) != DSK_OK) goto done;
     *syncs = g->counters.syncs - c0.syncs;
     *d2h = g->counters.d2h_copies - c0.d2h_copies;
+    if (gmm && dsk_ctx_sync(g) != DSK_OK) goto done; /* the emulator counts the launches that ran */
+    if (gmm) *gmm += gmm_rows_launches();
     gb = dsk_tensor_nbytes(&mo.grads);
     *n = 2 * xb + gb;
     out = (char *)malloc(*n);
@@ -332,8 +348,10 @@ done:
    sync and no device-to-host copy, and give the exact exchange's y, dx and gradients bit for bit; and so do
    both exchanges with ep_overlap (issued on the layer's exchange stream, beside the shared experts and the
    router's backward), with the serial exchange's syncs, and the exact one chunked (ep_chunk ON: the experts
-   start on this rank's own rows while the ring shifts carry the others', a chunk a rank; AUTO does not chunk a
-   CUDA layer, across the emulated hosts too); and FP8 dispatch overlapped gives its serial bits. */
+   start on this rank's own rows while the ring shifts carry the others', a chunk a rank, each chunk's rows-form
+   GEMMs a launch each whatever the experts a rank holds: the serial step's count a chunk, on the emulator; AUTO
+   does not chunk a CUDA layer, across the emulated hosts too); and FP8 dispatch overlapped gives its serial
+   bits. */
 static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
                              int64_t row0, int64_t NT) {
     static const char *names[] = {"",
@@ -344,25 +362,25 @@ static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
                                   "exact overlapped with ep_chunk AUTO"};
     for (int cap = 0; cap < 2; cap++) {
         size_t na = 0;
-        int64_t sa = -1, da = -1;
+        int64_t sa = -1, da = -1, gmm_a = -1;
         char *a;
         o.capacity_factor = cap ? 0.75f : 0.0f;
         o.ep_exchange = DSK_MOE_EP_EXACT;
         o.ep_overlap = 0;
-        a = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &na, &sa, &da, NULL);
+        a = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &na, &sa, &da, NULL, &gmm_a);
         DSK_TEST_EXPECT(a, "capacity %g: the exact step failed: %s", (double)o.capacity_factor, dsk_last_error());
         DSK_TEST_EXPECT(sa == 1, "capacity %g: exact EP: %lld syncs (want the counts' 1)", (double)o.capacity_factor,
                         (long long)sa);
         for (int v = 1; v < 6; v++) {
             size_t nb = 0;
             int exact = v == 2 || v >= 4;
-            int64_t sb = -1, db = -1, want = exact ? 1 : 0, chunks = -1;
+            int64_t sb = -1, db = -1, want = exact ? 1 : 0, chunks = -1, gmm = -1;
             int64_t want_chunks = v == 4 ? c->world_size : 0; /* own, then a rank each; AUTO: CPU layers only */
             char *b;
             o.ep_exchange = exact ? DSK_MOE_EP_EXACT : DSK_MOE_EP_BOUNDED;
             o.ep_overlap = v >= 2;
             o.ep_chunk = v == 4 ? DSK_MOE_CHUNK_ON : v == 5 ? DSK_MOE_CHUNK_AUTO : DSK_MOE_CHUNK_OFF;
-            b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db, &chunks);
+            b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db, &chunks, &gmm);
             DSK_TEST_EXPECT(b, "capacity %g: %s: the step failed: %s", (double)o.capacity_factor, names[v],
                             dsk_last_error());
             DSK_TEST_EXPECT(sb == want && db == (exact ? da : 0),
@@ -371,6 +389,12 @@ static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
                             (long long)(exact ? da : 0));
             DSK_TEST_EXPECT(!b || chunks == want_chunks, "capacity %g: %s: %lld chunks, want %lld",
                             (double)o.capacity_factor, names[v], (long long)chunks, (long long)want_chunks);
+            if (v == 4 && gmm_a >= 0) /* on the emulator: at most the serial count a chunk (an empty one has none) */
+                DSK_TEST_EXPECT(gmm > 0 && gmm <= chunks * gmm_a,
+                                "capacity %g: %s: %lld rows-form grouped GEMM launches, want 1 to %lld (serial %lld "
+                                "a step, %lld chunks; %d experts a rank)",
+                                (double)o.capacity_factor, names[v], (long long)gmm, (long long)(chunks * gmm_a),
+                                (long long)gmm_a, (long long)chunks, EP_E / c->world_size);
             if (a && b) {
                 DSK_TEST_EXPECT(na == nb, "%s: sizes %zu and %zu", names[v], na, nb);
                 DSK_TEST_SAME_BYTES(b, a, na < nb ? na : nb, names[v]);
@@ -388,7 +412,7 @@ static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
         char *r[2];
         for (int ov = 0; ov < 2; ov++) {
             o.ep_overlap = ov;
-            r[ov] = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &n[ov], &sy[ov], &d2h[ov], NULL);
+            r[ov] = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &n[ov], &sy[ov], &d2h[ov], NULL, NULL);
         }
         DSK_TEST_EXPECT(r[0] && r[1], "FP8 dispatch: a step failed: %s", dsk_last_error());
         DSK_TEST_EXPECT(sy[1] == sy[0] && d2h[1] == d2h[0], "FP8 dispatch overlapped: %lld syncs, %lld copies back",
@@ -501,7 +525,7 @@ static void ep_two_hop_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
         o.capacity_factor = cap ? 0.75f : 0.0f;
         o.ep_route = DSK_MOE_ROUTE_FLAT;
         o.ep_overlap = 0;
-        a = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &na, &sa, &da, NULL);
+        a = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &na, &sa, &da, NULL, NULL);
         DSK_TEST_EXPECT(a, "capacity %g: the flat step failed: %s", (double)o.capacity_factor, dsk_last_error());
         o.ep_route = DSK_MOE_ROUTE_TWO_HOP;
         for (int ov = 0; ov < 2; ov++) {
@@ -509,7 +533,7 @@ static void ep_two_hop_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
             int64_t sb, db;
             char *b;
             o.ep_overlap = ov;
-            b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db, NULL);
+            b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db, NULL, NULL);
             DSK_TEST_EXPECT(b, "capacity %g: the two-hop step failed: %s", (double)o.capacity_factor, dsk_last_error());
             if (!cap && !ov && c->rank == 0)
                 printf(
