@@ -4255,11 +4255,15 @@ static dsk_status dsk__moe_chunk_segments(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *
     return dsk__moe_to_device(m, ctx, segs->data, m->st->chunk_seg, (size_t)(m->ep_size * (El + 1)) * sizeof(int32_t));
 }
 
-/* The chunked calls' buffers (DSK__MOE_CH_Y .. CH_DH3, rows in the exchange's order) into ch. */
-static dsk_status dsk__moe_chunk_bufs(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *ch) {
+/* What a chunked call's chunks use: the segments' offsets, the stage with this rank's own rows copied in (own:
+   the send buffer) and the buffers DSK__MOE_CH_Y .. CH_DH3 (rows in the exchange's order) into ch. */
+static dsk_status dsk__moe_chunks_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *own, dsk_tensor *segs,
+                                        dsk_tensor *stage, dsk_tensor *ch) {
     for (int id = DSK__MOE_CH_Y; id <= DSK__MOE_CH_DH3; id++)
         DSK__TRY(dsk__moe_buf(m, ctx, id, m->st->f->T, m->st->f->R, &ch[id - DSK__MOE_CH_Y]));
-    return DSK_OK;
+    DSK__TRY(dsk__moe_chunk_segments(m, ctx, segs));
+    DSK__TRY(dsk__moe_stage(m, ctx, stage));
+    return dsk__moe_own_to_stage(m, ctx, own);
 }
 
 /* Rank r's chunk: its rows [*r0, *r0 + *n) of the stage-ordered buffers, and its segments' offsets. */
@@ -4957,10 +4961,7 @@ static dsk_status dsk__moe_forward_chunks(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *
     dsk__moe_pending *p = st->pend;
     dsk__moe_async *xch = &p->xch;
     dsk_tensor segs, stage, ch[DSK__MOE_CH_N];
-    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunk_segments(m, ctx, &segs)));
-    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunk_bufs(m, ctx, ch)));
-    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_stage(m, ctx, &stage)));
-    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_own_to_stage(m, ctx, &p->xs)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunks_begin(m, ctx, &p->xs, &segs, &stage, ch)));
     for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, k++), st->fwd_chunks++)
         DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_experts_chunk(m, ctx, p->w, &segs, &stage, ch, r)));
     DSK__TRY(dsk__moe_pending_join(p));
@@ -5160,10 +5161,7 @@ static dsk_status dsk__moe_backward_chunks(dsk_moe *m, dsk_ctx *ctx, const dsk__
     dsk__moe_pending *p = m->st->pend;
     dsk__moe_async *xch = &p->xch;
     dsk_tensor segs, stage, ch[DSK__MOE_CH_N];
-    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunk_segments(m, ctx, &segs)));
-    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunk_bufs(m, ctx, ch)));
-    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_stage(m, ctx, &stage)));
-    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_own_to_stage(m, ctx, &p->dos)));
+    DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunks_begin(m, ctx, &p->dos, &segs, &stage, ch)));
     for (int c = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, c++))
         DSK__TRY(dsk__moe_join_on_error(
             xch, dsk__moe_experts_chunk_backward(m, ctx, p->w, &segs, &stage, &k->h1, &k->h3, ch, r)));
