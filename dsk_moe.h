@@ -169,8 +169,8 @@
      emulated GPUs, dropless and capacity, and the trainer's bf16 run). P - 1 collectives and P chunks'
      launches (forward 4 a chunk, backward 8) where serial has one of each, and the shifts run one peer pair
      at a time where NCCL's grouped all-to-all moves every pair at once: a CUDA layer chunks when asked
-     (ON), not by AUTO, until a GPU measurement says where it pays. Chunking takes (R, 5 F + D) of scratch
-     in the activation dtype (DSK__MOE_CH_*) beside the serial path's buffers.
+     (ON), not by AUTO, until a GPU measurement says where it pays. Chunking takes (R, 5 F) of scratch in
+     the activation dtype (DSK__MOE_CH_*) beside the serial path's buffers.
      Routes across nodes (opts.ep_route): FLAT sends a row per kept (token, expert) to the expert's rank in
      one all-to-all-v; TWO_HOP sends each token's row once to every node holding one of its kept experts (to
      the rank with this rank's node_rank there, which copies it to its slots on that node: dsk_moe_route,
@@ -1307,11 +1307,11 @@ enum dsk__moe_buf_id {
     DSK__MOE_EP_RKEY,   /* (R) i32 the keys received */
     DSK__MOE_STAGE2,    /* (R, D) act rows received (bounded EP) */
     DSK__MOE_CHUNK_SEG, /* (P (n_local + 1)) i32 chunked dispatch: each rank's local experts' segments in its rows */
-    /* chunked dispatch (dsk__moe_chunking): rows in the exchange's order (by source rank, as STAGE) */
-    DSK__MOE_CH_Y,   /* (R, D) act the experts' outputs (forward), input gradients (backward): the return's rows */
+    /* chunked dispatch (dsk__moe_chunking): rows in the exchange's order (by source rank, as STAGE), which O
+       and DXR, the return's rows, take too when chunked */
     DSK__MOE_CH_H1,  /* (R, F) act h1 */
     DSK__MOE_CH_H3,  /* (R, F) act h3 */
-    DSK__MOE_CH_A,   /* (R, F) act silu(h1) h3 (forward), its gradient (backward) */
+    DSK__MOE_CH_A,   /* (R, F) act forward silu(h1) h3 */
     DSK__MOE_CH_DH1, /* (R, F) act backward */
     DSK__MOE_CH_DH3, /* (R, F) act backward */
     /* FP8 experts' scratch, flat, viewed per GEMM (forward and backward) */
@@ -1556,10 +1556,6 @@ static void dsk__moe_spec_at(const dsk_moe *m, int id, int64_t T, int64_t R, int
     case DSK__MOE_CHUNK_SEG:
         *dt = DSK_I32;
         *rows = ep ? (int64_t)m->ep_size * (m->n_local + 1) : 0;
-        break;
-    case DSK__MOE_CH_Y:
-        *rows = dsk__moe_chunking(m, NULL) ? R : 0;
-        *cols = D;
         break;
     case DSK__MOE_CH_H1:
     case DSK__MOE_CH_H3:
@@ -4256,11 +4252,11 @@ static dsk_status dsk__moe_chunk_segments(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *
 }
 
 /* What a chunked call's chunks use: the segments' offsets, the stage with this rank's own rows copied in (own:
-   the send buffer) and the buffers DSK__MOE_CH_Y .. CH_DH3 (rows in the exchange's order) into ch. */
+   the send buffer) and the buffers DSK__MOE_CH_H1 .. CH_DH3 (rows in the exchange's order) into ch. */
 static dsk_status dsk__moe_chunks_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *own, dsk_tensor *segs,
                                         dsk_tensor *stage, dsk_tensor *ch) {
-    for (int id = DSK__MOE_CH_Y; id <= DSK__MOE_CH_DH3; id++)
-        DSK__TRY(dsk__moe_buf(m, ctx, id, m->st->f->T, m->st->f->R, &ch[id - DSK__MOE_CH_Y]));
+    for (int id = DSK__MOE_CH_H1; id <= DSK__MOE_CH_DH3; id++)
+        DSK__TRY(dsk__moe_buf(m, ctx, id, m->st->f->T, m->st->f->R, &ch[id - DSK__MOE_CH_H1]));
     DSK__TRY(dsk__moe_chunk_segments(m, ctx, segs));
     DSK__TRY(dsk__moe_stage(m, ctx, stage));
     return dsk__moe_own_to_stage(m, ctx, own);
@@ -4273,8 +4269,8 @@ static void dsk__moe_chunk_span(const dsk_moe *m, const dsk_tensor *segs, int r,
     dsk_tensor_slice(segs, 0, r * (m->n_local + 1), m->n_local + 1, off);
 }
 
-#define DSK__MOE_CH_N (DSK__MOE_CH_DH3 - DSK__MOE_CH_Y + 1)
-#define DSK__MOE_CH(ch, id) (ch)[DSK__MOE_##id - DSK__MOE_CH_Y] /* ch's buffer DSK__MOE_id */
+#define DSK__MOE_CH_N (DSK__MOE_CH_DH3 - DSK__MOE_CH_H1 + 1)
+#define DSK__MOE_CH(ch, id) (ch)[DSK__MOE_##id - DSK__MOE_CH_H1] /* ch's buffer DSK__MOE_id */
 
 /* Rows [r0, r0 + n) of each of the chunked calls' buffers ch into v. */
 static void dsk__moe_chunk_rows(const dsk_tensor *ch, int64_t r0, int64_t n, dsk_tensor *v) {
@@ -4282,17 +4278,18 @@ static void dsk__moe_chunk_rows(const dsk_tensor *ch, int64_t r0, int64_t n, dsk
 }
 
 /* Forward of rank r's chunk: the routed experts on r's rows of the stage, every local expert in one grouped call
-   (segs: dsk__moe_chunk_segments), the outputs, h1, h3 and a into the same rows of ch. */
+   (segs: dsk__moe_chunk_segments), the outputs into the same rows of y, h1, h3 and a of ch. */
 static dsk_status dsk__moe_experts_chunk(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *segs,
-                                         const dsk_tensor *stage, const dsk_tensor *ch, int r) {
+                                         const dsk_tensor *stage, const dsk_tensor *ch, const dsk_tensor *y, int r) {
     int64_t r0, n;
-    dsk_tensor off, x, v[DSK__MOE_CH_N];
+    dsk_tensor off, x, o, v[DSK__MOE_CH_N];
     dsk__moe_chunk_span(m, segs, r, &r0, &n, &off);
     if (!n) return DSK_OK;
     dsk__moe_chunk_rows(ch, r0, n, v);
     x = dsk__moe_row_range(stage, r0, n);
-    return dsk_swiglu_grouped(ctx, &DSK__MOE_CH(v, CH_Y), &DSK__MOE_CH(v, CH_H1), &DSK__MOE_CH(v, CH_H3),
-                              &DSK__MOE_CH(v, CH_A), &x, &w[0], &w[1], &w[2], &off);
+    o = dsk__moe_row_range(y, r0, n);
+    return dsk_swiglu_grouped(ctx, &o, &DSK__MOE_CH(v, CH_H1), &DSK__MOE_CH(v, CH_H3), &DSK__MOE_CH(v, CH_A), &x, &w[0],
+                              &w[1], &w[2], &off);
 }
 
 /* The SwiGLU gradient dh1, dh3 WRITTEN from da, h1, h3 (all (n, F) act). */
@@ -4309,26 +4306,29 @@ static dsk_status dsk__moe_swiglu_grad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dh1
 }
 
 /* Backward of rank r's chunk: the per-row part of the experts' backward on r's rows of the stage (their output
-   gradients): h1 and h3 of those rows gathered from the saved forward (RGI), then da, dh1, dh3 and the input
-   gradient into the same rows of ch (dsk_swiglu_grouped_backward's arithmetic, its rows-form GEMMs), every local
-   expert in one grouped call a product. */
+   gradients): h1 and h3 of those rows gathered from the saved forward (RGI) into ch, then da (into the same rows
+   of da), dh1 and dh3 (of ch) and the input gradient (of dx): dsk_swiglu_grouped_backward's arithmetic, its
+   rows-form GEMMs, every local expert in one grouped call a product. */
 static dsk_status dsk__moe_experts_chunk_backward(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *w, const dsk_tensor *segs,
                                                   const dsk_tensor *stage, const dsk_tensor *h1, const dsk_tensor *h3,
-                                                  const dsk_tensor *ch, int r) {
+                                                  const dsk_tensor *ch, const dsk_tensor *da, const dsk_tensor *dx,
+                                                  int r) {
     int64_t r0, n;
-    dsk_tensor off, dy, at, rgi = dsk__moe_saved(m, DSK__MOE_RGI), v[DSK__MOE_CH_N];
+    dsk_tensor off, dy, at, q, g, rgi = dsk__moe_saved(m, DSK__MOE_RGI), v[DSK__MOE_CH_N];
     dsk__moe_chunk_span(m, segs, r, &r0, &n, &off);
     if (!n) return DSK_OK;
     dsk__moe_chunk_rows(ch, r0, n, v);
     dy = dsk__moe_row_range(stage, r0, n);
     at = dsk__moe_row_range(&rgi, r0, n); /* where the forward saved these rows' h1 and h3 */
+    q = dsk__moe_row_range(da, r0, n);
+    g = dsk__moe_row_range(dx, r0, n);
     DSK__TRY(dsk_gather_rows(ctx, &DSK__MOE_CH(v, CH_H1), h1, &at));
     DSK__TRY(dsk_gather_rows(ctx, &DSK__MOE_CH(v, CH_H3), h3, &at));
-    DSK__TRY(dsk_matmul_grouped(ctx, &DSK__MOE_CH(v, CH_A), &dy, 0, &w[1], 0, &off, 1.0f, 0.0f));
-    DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &DSK__MOE_CH(v, CH_DH1), &DSK__MOE_CH(v, CH_DH3), &DSK__MOE_CH(v, CH_A),
-                                  &DSK__MOE_CH(v, CH_H1), &DSK__MOE_CH(v, CH_H3)));
-    DSK__TRY(dsk_matmul_grouped(ctx, &DSK__MOE_CH(v, CH_Y), &DSK__MOE_CH(v, CH_DH1), 0, &w[0], 0, &off, 1.0f, 0.0f));
-    return dsk_matmul_grouped(ctx, &DSK__MOE_CH(v, CH_Y), &DSK__MOE_CH(v, CH_DH3), 0, &w[2], 0, &off, 1.0f, 1.0f);
+    DSK__TRY(dsk_matmul_grouped(ctx, &q, &dy, 0, &w[1], 0, &off, 1.0f, 0.0f));
+    DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &DSK__MOE_CH(v, CH_DH1), &DSK__MOE_CH(v, CH_DH3), &q, &DSK__MOE_CH(v, CH_H1),
+                                  &DSK__MOE_CH(v, CH_H3)));
+    DSK__TRY(dsk_matmul_grouped(ctx, &g, &DSK__MOE_CH(v, CH_DH1), 0, &w[0], 0, &off, 1.0f, 0.0f));
+    return dsk_matmul_grouped(ctx, &g, &DSK__MOE_CH(v, CH_DH3), 0, &w[2], 0, &off, 1.0f, 1.0f);
 }
 
 /* The flat exchange's all-to-all-v on the layer's communicator: whole, or begun (st->xch_begin). */
@@ -4954,7 +4954,7 @@ static dsk_status dsk__moe_pending_join(dsk__moe_pending *p) {
 }
 
 /* The routed experts of a chunked forward: this rank's own rows while the other ranks' travel, then each other
-   rank's as they land, in the exchange's order (the outputs there, p->ob, are the return's rows); then the
+   rank's as they land, in the exchange's order (the outputs there, in p->ob, are the return's rows); then the
    saved forward's inputs, h1, h3 and a expert-major, as the serial path leaves them. */
 static dsk_status dsk__moe_forward_chunks(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *h1, dsk_tensor *h3, dsk_tensor *a) {
     struct dsk__moe_state *st = m->st;
@@ -4963,9 +4963,8 @@ static dsk_status dsk__moe_forward_chunks(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *
     dsk_tensor segs, stage, ch[DSK__MOE_CH_N];
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunks_begin(m, ctx, &p->xs, &segs, &stage, ch)));
     for (int k = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, k++), st->fwd_chunks++)
-        DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_experts_chunk(m, ctx, p->w, &segs, &stage, ch, r)));
+        DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_experts_chunk(m, ctx, p->w, &segs, &stage, ch, &p->ob, r)));
     DSK__TRY(dsk__moe_pending_join(p));
-    p->ob = dsk__moe_rows(&DSK__MOE_CH(ch, CH_Y), p->R);
     DSK__TRY(dsk__moe_stage_to_experts(m, ctx, &p->xr));
     DSK__TRY(dsk__moe_regroup(m, ctx, h1, &DSK__MOE_CH(ch, CH_H1)));
     DSK__TRY(dsk__moe_regroup(m, ctx, h3, &DSK__MOE_CH(ch, CH_H3)));
@@ -5154,19 +5153,18 @@ static dsk_status dsk__moe_chunked_wgrad(dsk_moe *m, dsk_ctx *ctx) {
 }
 
 /* The per-row part of a chunked backward, as its forward (dsk__moe_forward_chunks): the input gradients in the
-   exchange's order (p->dxr, the return's rows); then the output gradients, dh1 and dh3 expert-major for the
-   weight gradients, which wait for the return's start (dsk__moe_backward_return_impl). */
-static dsk_status dsk__moe_backward_chunks(dsk_moe *m, dsk_ctx *ctx, const dsk__moe_kept *k, dsk_tensor *dh1,
-                                           dsk_tensor *dh3) {
+   exchange's order (in p->dxr, the return's rows; da scratch); then the output gradients, dh1 and dh3
+   expert-major for the weight gradients, which wait for the return's start (dsk__moe_backward_return_impl). */
+static dsk_status dsk__moe_backward_chunks(dsk_moe *m, dsk_ctx *ctx, const dsk__moe_kept *k, const dsk_tensor *da,
+                                           dsk_tensor *dh1, dsk_tensor *dh3) {
     dsk__moe_pending *p = m->st->pend;
     dsk__moe_async *xch = &p->xch;
     dsk_tensor segs, stage, ch[DSK__MOE_CH_N];
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_chunks_begin(m, ctx, &p->dos, &segs, &stage, ch)));
     for (int c = 0, r = m->ep_rank; r >= 0; r = dsk__moe_next_arrival(xch, c++))
         DSK__TRY(dsk__moe_join_on_error(
-            xch, dsk__moe_experts_chunk_backward(m, ctx, p->w, &segs, &stage, &k->h1, &k->h3, ch, r)));
+            xch, dsk__moe_experts_chunk_backward(m, ctx, p->w, &segs, &stage, &k->h1, &k->h3, ch, da, &p->dxr, r)));
     DSK__TRY(dsk__moe_pending_join(p));
-    p->dxr = dsk__moe_rows(&DSK__MOE_CH(ch, CH_Y), p->R);
     DSK__TRY(dsk__moe_stage_to_experts(m, ctx, &p->dor));
     DSK__TRY(dsk__moe_regroup(m, ctx, dh1, &DSK__MOE_CH(ch, CH_DH1)));
     return dsk__moe_regroup(m, ctx, dh3, &DSK__MOE_CH(ch, CH_DH3));
@@ -5189,7 +5187,7 @@ static dsk_status dsk__moe_backward_experts_impl(dsk_moe *m, dsk_ctx *ctx) {
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH1, T, R, &dh1)));
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DH3, T, R, &dh3)));
     DSK__TRY(dsk__moe_join_on_error(xch, dsk__moe_buf(m, ctx, DSK__MOE_DXR, T, R, &p->dxr)));
-    if (ep && st->chunked) return dsk__moe_backward_chunks(m, ctx, &k, &dh1, &dh3);
+    if (ep && st->chunked) return dsk__moe_backward_chunks(m, ctx, &k, &da, &dh1, &dh3);
     DSK__TRY(dsk__moe_pending_join(p));
     if (!ep) p->dxp = p->dxr;
     if (fp8) return DSK__MOE_F8(dsk__moe_f8_experts_backward(m, ctx, w, &k.offsets, &p->dor, &p->dxr));
