@@ -143,8 +143,8 @@
      forward's dispatch and the backward's, the router's backward while the expert gradients travel
      back. The same bits as serial (each result's arithmetic is unchanged; only independent steps
      move). Chunked dispatch
-     (opts.ep_chunk: ON where it applies: ep_overlap, the exact flat exchange of activation rows, ACT
-     experts, on the host the default ISA's row kernels; AUTO, the default, where the ep group spans nodes
+     (opts.ep_chunk: ON where it applies: ep_overlap, the flat exchange, exact or bounded, of activation rows,
+     ACT experts, on the host the default ISA's row kernels; AUTO, the default, where the ep group spans nodes
      (ep_route FLAT there: two hops do not chunk), as over one node's shared memory the exchange is short
      and the chunks' smaller GEMMs cost more than it hides; ON pays where the link is slower than the
      compute: on an emulated 0.1 GB/s link it hid the most of every overlap, bench/RESULTS.md): the rank's
@@ -169,7 +169,12 @@
      emulated GPUs, dropless and capacity, and the trainer's bf16 run). P - 1 collectives and P chunks'
      launches (forward 4 a chunk, backward 8) where serial has one of each, and the shifts run one peer pair
      at a time where NCCL's grouped all-to-all moves every pair at once: a CUDA layer chunks when asked
-     (ON), not by AUTO, until a GPU measurement says where it pays. Chunking takes (R, 5 F) of scratch in
+     (ON), not by AUTO, until a GPU measurement says where it pays. The bounded exchange chunks alike, a
+     rank's rows its block of Cp (its local experts' segments in turn, the padding last): each block's
+     segments come from the keys the forward received, on the device (a binary search each), so a chunked
+     bounded step makes no host sync either and stays a CUDA graph; a CUDA layer, not knowing where a
+     block's padding begins, runs a chunk's gathers and SwiGLU gradient over the whole block (the GEMMs stop
+     at the segments' end; the padding's results are never read). Chunking takes (R, 5 F) of scratch in
      the activation dtype (DSK__MOE_CH_*) beside the serial path's buffers.
      Routes across nodes (opts.ep_route): FLAT sends a row per kept (token, expert) to the expert's rank in
      one all-to-all-v; TWO_HOP sends each token's row once to every node holding one of its kept experts (to
@@ -327,8 +332,8 @@ typedef enum dsk_moe_ep_chunk {
                                in two hops, which do not chunk); over one node's shared memory the chunks' smaller
                                GEMMs cost more than the short exchange they hide (bench/RESULTS.md); CUDA: OFF */
     DSK_MOE_CHUNK_OFF = 1,  /* the experts wait for every row */
-    DSK_MOE_CHUNK_ON = 2    /* where it applies: ep_overlap, the exact flat exchange of activation rows, ACT
-                               experts */
+    DSK_MOE_CHUNK_ON = 2    /* where it applies: ep_overlap, the flat exchange (exact or bounded) of activation
+                               rows, ACT experts */
 } dsk_moe_ep_chunk;
 
 /* The routing configuration: what every MoE step of the math below takes instead of positional
@@ -1050,6 +1055,21 @@ static inline DSK_HD void dsk__moe_ep_slot(int64_t q, int El, int64_t Cp, const 
     *key = (int32_t)(e - r * El);
 }
 
+/* Bounded, chunked: entry i of the received blocks' segments ((P (El + 1)), rank r's at r (El + 1)): where
+   local expert e = i % (El + 1) begins in rank r's block of Cp received keys (key: its ep_slot keys, the
+   padding's -1 last), e = El where the padding begins; a binary search, the block sorted by key. */
+static inline DSK_HD int32_t dsk__moe_block_segment(int64_t i, int El, int64_t Cp, const int32_t *key) {
+    const int32_t *k = key + i / (El + 1) * Cp;
+    int e = (int)(i % (El + 1));
+    int64_t lo = 0, hi = Cp;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if ((k[mid] < 0 ? El : k[mid]) < e) lo = mid + 1;
+        else hi = mid;
+    }
+    return (int32_t)lo;
+}
+
 /* ... and the inverse: the send row of kept row j (-1 at j >= the kept rows). */
 static inline DSK_HD int32_t dsk__moe_ep_unslot(int64_t j, int P, int El, int64_t Cp, const int32_t *off) {
     int r = 0;
@@ -1190,6 +1210,8 @@ dsk_status dsk_cuda_moe_ep_index(dsk_ctx *ctx, int P, int El, int64_t Cp, int64_
                                  int32_t *skey, int32_t *unpad);
 dsk_status dsk_cuda_moe_ep_inverse(dsk_ctx *ctx, int El, int64_t n, const int32_t *rg, const int32_t *loff,
                                    int32_t *rgi);
+/* seg (P (El + 1)) by dsk__moe_block_segment from the received keys (P Cp). */
+dsk_status dsk_cuda_moe_block_segments(dsk_ctx *ctx, int P, int El, int64_t Cp, const int32_t *key, int32_t *seg);
 /* cnt (3 + 2E) by dsk__moe_counts (one thread). */
 dsk_status dsk_cuda_moe_counts(dsk_ctx *ctx, int64_t T, int K, int E, const int32_t *off_all, const int32_t *off,
                                int64_t *cnt);
@@ -1273,6 +1295,7 @@ enum dsk__moe_buf_id {
     DSK__MOE_RGI,       /* (R) i32 its inverse (EP) */
     DSK__MOE_EP_PAD,    /* (R = P Cp) i32 bounded EP: send row -> kept row or -1 (dsk__moe_ep_slot) */
     DSK__MOE_EP_UNPAD,  /* (TK) i32 kept row -> send row, -1 */
+    DSK__MOE_EP_SEG,    /* (P (n_local + 1)) i32 bounded EP, chunked: the received blocks' segments */
     DSK__MOE_XQ,        /* (T, D) the tokens (the shared experts' input; the routed rows' source without EP) */
     DSK__MOE_XQS,       /* (T, ceil(D / 128)) */
     DSK__MOE_RQ,        /* (R, D) the experts' input rows */
@@ -1554,8 +1577,11 @@ static void dsk__moe_spec_at(const dsk_moe *m, int id, int64_t T, int64_t R, int
         *rows = bounded ? TK : 0;
         break;
     case DSK__MOE_CHUNK_SEG:
+    case DSK__MOE_EP_SEG:
         *dt = DSK_I32;
-        *rows = ep ? (int64_t)m->ep_size * (m->n_local + 1) : 0;
+        *rows = ep && (id == DSK__MOE_CHUNK_SEG || (bounded && dsk__moe_chunking(m, NULL)))
+                    ? (int64_t)m->ep_size * (m->n_local + 1)
+                    : 0;
         break;
     case DSK__MOE_CH_H1:
     case DSK__MOE_CH_H3:
@@ -3549,6 +3575,25 @@ static dsk_status dsk__moe_ep_counts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor 
     return dsk__moe_to_device(m, ctx, rgi.data, st->f->h_rg + *R, (size_t)*R * sizeof(int32_t));
 }
 
+/* Bounded EP: every peer's block Cp rows, as all-to-all-v counts and displacements (st->f->a2a, in elements),
+   which a chunked exchange sends by. */
+static void dsk__moe_ep_blocks(dsk_moe *m, int64_t Cp) {
+    int P = m->ep_size;
+    int64_t *a = m->st->f->a2a, n = Cp * m->opts.d_model;
+    for (int r = 0; r < P; r++) a[r] = a[2 * P + r] = n, a[P + r] = a[3 * P + r] = r * n;
+}
+
+/* Bounded EP, chunked: each received block's segments (EP_SEG, dsk__moe_block_segment), from the received keys. */
+static dsk_status dsk__moe_block_segments(dsk_moe *m, dsk_ctx *ctx, int64_t Cp, const dsk_tensor *rkey) {
+    dsk_tensor seg;
+    int El = m->n_local;
+    int64_t n = (int64_t)m->ep_size * (El + 1);
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_EP_SEG, m->st->f->T, m->st->f->R, &seg));
+    DSK__MOE_ON_CUDA(m, dsk_cuda_moe_block_segments(ctx, m->ep_size, El, Cp, DSK__MOE_I32(*rkey), DSK__MOE_I32(seg)));
+    for (int64_t i = 0; i < n; i++) DSK__MOE_I32(seg)[i] = dsk__moe_block_segment(i, El, Cp, DSK__MOE_I32(*rkey));
+    return DSK_OK;
+}
+
 /* Bounded EP after the dispatch (no host sync): the group's totals (cntg), the send layout
    (EP_PAD, EP_UNPAD), the local expert of every row received (the keys travel beside the rows, in
    a fixed-size all-to-all), and from them, on the device, the regroup index RG (a stable sort of
@@ -3570,11 +3615,15 @@ static dsk_status dsk__moe_ep_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
     DSK__TRY(dsk__moe_ep_index(m, ctx, Cp, T * m->opts.top_k, off, &pad, &skey, &unpad));
     DSK__TRY(dsk_comm_all_to_all(m->opts.ep, ctx, skey.data, rkey.data, Cp, DSK_I32));
     DSK__TRY(dsk_group_by_key(ctx, &rg, &loff, &rkey));
-    return dsk__moe_ep_inverse(m, ctx, R, &rg, &loff, &rgi);
+    DSK__TRY(dsk__moe_ep_inverse(m, ctx, R, &rg, &loff, &rgi));
+    dsk__moe_ep_blocks(m, Cp);
+    return dsk__moe_chunking(m, NULL) ? dsk__moe_block_segments(m, ctx, Cp, &rkey) : DSK_OK;
 }
 
+static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows);
+
 /* Bounded EP: rows (kept order) -> each peer's block of Cp rows -> dst (R), expert-major (rows past
-   the received ones zero). */
+   the received ones zero); chunked: the other peers' blocks begun into STAGE2. */
 static dsk_status dsk__moe_to_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
     dsk_tensor send, recv, pad = dsk__moe_saved(m, DSK__MOE_EP_PAD), rg = dsk__moe_saved(m, DSK__MOE_RG);
@@ -3582,12 +3631,14 @@ static dsk_status dsk__moe_to_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const ds
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, st->f->T, st->f->R, &recv));
     send = dsk__moe_rows(&send, st->f->R);
     DSK__TRY(dsk_gather_rows_scaled(ctx, &send, rows, &pad, NULL));
+    if (st->chunked) return dsk__moe_others_to_experts(m, ctx, &send);
     DSK__TRY(dsk_comm_all_to_all(m->opts.ep, ctx, send.data, recv.data, st->f->R / m->ep_size * m->opts.d_model,
                                  rows->dtype));
     return dsk_gather_rows_scaled(ctx, dst, &recv, &rg, NULL);
 }
 
-/* ... and back: rows (R, expert-major) to their sources' blocks, then into dst (kept order). */
+/* ... and back: rows (R, expert-major; chunked: the blocks' order) to their sources' blocks, then into dst (kept
+   order). */
 static dsk_status dsk__moe_from_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
     dsk_tensor send, recv, rgi = dsk__moe_saved(m, DSK__MOE_RGI), unpad = dsk__moe_saved(m, DSK__MOE_EP_UNPAD);
@@ -3595,7 +3646,8 @@ static dsk_status dsk__moe_from_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const 
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &recv));
     recv = dsk__moe_rows(&recv, st->f->R);
     unpad = dsk__moe_rows(&unpad, dst->shape[0]);
-    DSK__TRY(dsk_gather_rows_scaled(ctx, &send, rows, &rgi, NULL));
+    if (st->chunked) send = *rows; /* the chunks computed in the exchange's order */
+    else DSK__TRY(dsk_gather_rows_scaled(ctx, &send, rows, &rgi, NULL));
     DSK__TRY(dsk_comm_all_to_all(m->opts.ep, ctx, send.data, recv.data, st->f->R / m->ep_size * m->opts.d_model,
                                  rows->dtype));
     return dsk_gather_rows_scaled(ctx, dst, &recv, &unpad, NULL);
@@ -3972,14 +4024,14 @@ static void dsk__moe_queue_landed(dsk__moe_async *a);
 static void dsk__moe_queue_shifts(dsk__moe_async *a, int k);
 #endif
 
-/* Whether an overlapped host exchange runs without a thread: the flat exact exchange of activation rows, whose
-   all-to-all-v begins at the start (the messages the transport takes now: shared-memory rings, sockets' buffers)
+/* Whether an overlapped host exchange runs without a thread: the flat exact exchange of activation rows (and the
+   bounded one's rows to the experts when chunked), whose all-to-all-v begins at the start (the messages the transport takes now: shared-memory rings, sockets' buffers)
    and finishes at the wait, or on the thread when the transport did not take them all (not chunked: there the
    layer moves it on between its chunks, dsk_comm_progress). A thread of its own cost the step more over shared
    memory than the exchange it hid (bench/RESULTS.md). */
 static int dsk__moe_begins(const dsk_moe *m, int way) {
     return m->device.type == DSK_DEV_CPU && m->opts.ep_route != DSK_MOE_ROUTE_TWO_HOP &&
-           m->opts.ep_exchange != DSK_MOE_EP_BOUNDED &&
+           (m->opts.ep_exchange != DSK_MOE_EP_BOUNDED || (m->st->chunked && way != DSK__MOE_XCH_FROM_EXPERTS)) &&
            (way != DSK__MOE_XCH_DISPATCH || m->opts.ep_dispatch != DSK_MOE_DISPATCH_FP8);
 }
 
@@ -4104,14 +4156,14 @@ static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s) {
    they sum whole segments, as serial. */
 
 /* Chunks on this call: ON (or AUTO with a CPU layer's ep group across nodes), ep_overlap (CUDA: its exchanges'
-   stream), the exact flat exchange of activation rows, ACT experts; on the CPU (f32) the default ISA's row kernels
+   stream), the flat exchange (exact or bounded) of activation rows, ACT experts; on the CPU (f32) the default ISA's row kernels
    (backward's SwiGLU gradient, dsk_swiglu_grad_cpu). */
 static int dsk__moe_chunking(const dsk_moe *m, const dsk_ctx *ctx) {
     const dsk_moe_opts *o = &m->opts;
     if (m->ep_size <= 1 || !o->ep_overlap || o->ep_chunk == DSK_MOE_CHUNK_OFF) return 0;
     if (o->ep_chunk == DSK_MOE_CHUNK_AUTO && (o->ep->n_nodes < 2 || m->device.type == DSK_DEV_CUDA)) return 0;
-    if (o->ep_exchange != DSK_MOE_EP_EXACT || o->ep_route != DSK_MOE_ROUTE_FLAT ||
-        o->ep_dispatch != DSK_MOE_DISPATCH_ACT || o->expert_gemm != DSK_MOE_GEMM_ACT)
+    if (o->ep_route != DSK_MOE_ROUTE_FLAT || o->ep_dispatch != DSK_MOE_DISPATCH_ACT ||
+        o->expert_gemm != DSK_MOE_GEMM_ACT)
         return 0;
     if (m->device.type == DSK_DEV_CUDA) return m->st->side != NULL;
     return m->st->act == DSK_F32 && (!ctx || ctx->cpu_isa == dsk_cpu_isa_auto());
@@ -4125,22 +4177,30 @@ static void dsk__moe_stage_span(const dsk_moe *m, int r, int64_t *r0, int64_t *n
     *n = a[2 * m->ep_size + r] / m->opts.d_model;
 }
 
-/* The exchange's stage as its R rows (act): where an all-to-all-v's rows land, by source rank. */
+/* The exchange's stage as its R rows (act): where an all-to-all-v's rows land, by source rank (the bounded
+   exchange's in STAGE2, as STAGE holds its send blocks). */
 static dsk_status dsk__moe_stage(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *stage) {
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->f->T, m->st->f->R, stage));
+    int id = m->opts.ep_exchange == DSK_MOE_EP_BOUNDED ? DSK__MOE_STAGE2 : DSK__MOE_STAGE;
+    DSK__TRY(dsk__moe_buf(m, ctx, id, m->st->f->T, m->st->f->R, stage));
     *stage = dsk__moe_rows(stage, m->st->f->R);
     return DSK_OK;
 }
 
-/* This rank's own rows (src: the send buffer, kept order, where its rows to itself lie in the exchange's order)
-   copied to their place in STAGE, which the chunked exchange leaves to the layer. */
+/* This rank's own rows (src: the rows to send, kept order, where its rows to itself lie in the exchange's order)
+   copied to their place in the stage, which the chunked exchange leaves to the layer; bounded: gathered into
+   their block (EP_PAD), the padding zero. */
 static dsk_status dsk__moe_own_to_stage(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *src) {
     int64_t r0, n, from = m->st->f->a2a[m->ep_size + m->ep_rank] / m->opts.d_model;
-    dsk_tensor stage, d, x;
+    dsk_tensor stage, d, x, pad;
     dsk__moe_stage_span(m, m->ep_rank, &r0, &n);
     if (!n) return DSK_OK;
     DSK__TRY(dsk__moe_stage(m, ctx, &stage));
     d = dsk__moe_row_range(&stage, r0, n);
+    if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) {
+        pad = dsk__moe_saved(m, DSK__MOE_EP_PAD);
+        pad = dsk__moe_row_range(&pad, r0, n);
+        return dsk_gather_rows_scaled(ctx, &d, src, &pad, NULL);
+    }
     x = dsk__moe_row_range(src, from, n);
     return dsk_tensor_copy(ctx, &d, &x);
 }
@@ -4169,8 +4229,9 @@ static dsk_status dsk__moe_others_by_shifts(dsk_moe *m, dsk_ctx *ctx, const dsk_
 }
 #endif
 
-/* The exchange's part of a chunked dispatch, begun: the other ranks' rows only, into STAGE (rank-major); the layer
-   moves it on and places each rank's rows as they land (dsk__moe_next_arrival). */
+/* The exchange's part of a chunked dispatch, begun: the other ranks' rows only (rows: the exact exchange's kept
+   order, the bounded one's send blocks), into the stage (rank-major); the layer moves it on and computes each
+   rank's rows as they land (dsk__moe_next_arrival). */
 static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows) {
     struct dsk__moe_state *st = m->st;
     int P = m->ep_size, me = m->ep_rank;
@@ -4178,7 +4239,7 @@ static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk
     dsk_tensor stage;
     if (!st->xch_begin && m->device.type == DSK_DEV_CPU)
         return dsk_set_error(DSK_ERR_STATE, "dsk_moe: layer \"%s\": a chunked exchange not begun", m->opts.name);
-    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &stage));
+    DSK__TRY(dsk__moe_stage(m, ctx, &stage));
 #ifdef DSK_CUDA
     if (m->device.type == DSK_DEV_CUDA) return dsk__moe_others_by_shifts(m, ctx, rows, stage.data);
 #endif
@@ -4242,6 +4303,10 @@ static int dsk__moe_next_arrival(dsk__moe_async *a, int k) {
    r (n_local + 1) of DSK__MOE_CHUNK_SEG), on the layer's device: the offsets of a chunk's grouped GEMMs. */
 static dsk_status dsk__moe_chunk_segments(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *segs) {
     int El = m->n_local;
+    if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED) { /* from the forward's received keys, on the device */
+        *segs = dsk__moe_saved(m, DSK__MOE_EP_SEG);
+        return DSK_OK;
+    }
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_CHUNK_SEG, 0, 0, segs));
     for (int r = 0; r < m->ep_size; r++) {
         int32_t *o = m->st->chunk_seg + r * (El + 1);
@@ -4262,11 +4327,13 @@ static dsk_status dsk__moe_chunks_begin(dsk_moe *m, dsk_ctx *ctx, const dsk_tens
     return dsk__moe_own_to_stage(m, ctx, own);
 }
 
-/* Rank r's chunk: its rows [*r0, *r0 + *n) of the stage-ordered buffers, and its segments' offsets. */
+/* Rank r's chunk: its rows [*r0, *r0 + *n) of the stage-ordered buffers, and its segments' offsets (bounded: its
+   block, where a CUDA layer does not know where the padding begins, a CPU layer does). */
 static void dsk__moe_chunk_span(const dsk_moe *m, const dsk_tensor *segs, int r, int64_t *r0, int64_t *n,
                                 dsk_tensor *off) {
     dsk__moe_stage_span(m, r, r0, n);
     dsk_tensor_slice(segs, 0, r * (m->n_local + 1), m->n_local + 1, off);
+    if (m->opts.ep_exchange == DSK_MOE_EP_BOUNDED && m->device.type == DSK_DEV_CPU) *n = DSK__MOE_I32(*off)[m->n_local];
 }
 
 #define DSK__MOE_CH_N (DSK__MOE_CH_DH3 - DSK__MOE_CH_H1 + 1)
@@ -4322,8 +4389,8 @@ static dsk_status dsk__moe_experts_chunk_backward(dsk_moe *m, dsk_ctx *ctx, cons
     at = dsk__moe_row_range(&rgi, r0, n); /* where the forward saved these rows' h1 and h3 */
     q = dsk__moe_row_range(da, r0, n);
     g = dsk__moe_row_range(dx, r0, n);
-    DSK__TRY(dsk_gather_rows(ctx, &DSK__MOE_CH(v, CH_H1), h1, &at));
-    DSK__TRY(dsk_gather_rows(ctx, &DSK__MOE_CH(v, CH_H3), h3, &at));
+    DSK__TRY(dsk_gather_rows_scaled(ctx, &DSK__MOE_CH(v, CH_H1), h1, &at, NULL)); /* bounded: padding zero */
+    DSK__TRY(dsk_gather_rows_scaled(ctx, &DSK__MOE_CH(v, CH_H3), h3, &at, NULL));
     DSK__TRY(dsk_matmul_grouped(ctx, &q, &dy, 0, &w[1], 0, &off, 1.0f, 0.0f));
     DSK__TRY(dsk__moe_swiglu_grad(m, ctx, &DSK__MOE_CH(v, CH_DH1), &DSK__MOE_CH(v, CH_DH3), &q, &DSK__MOE_CH(v, CH_H1),
                                   &DSK__MOE_CH(v, CH_H3)));
@@ -4338,10 +4405,11 @@ static dsk_status dsk__moe_a2a(dsk_moe *m, dsk_ctx *ctx, const void *send, const
     return dsk_comm_all_to_all_v_start(m->opts.ep, ctx, send, sc, sd, recv, rc, rd, dt, &m->st->xch_unsent);
 }
 
-/* Rows in the exchange's order (src, R of them by source rank) regrouped expert-major into dst. */
+/* Rows in the exchange's order (src, R of them by source rank) regrouped expert-major into dst (bounded: zero
+   rows past the received ones). */
 static dsk_status dsk__moe_regroup(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src) {
     dsk_tensor rg = dsk__moe_saved(m, DSK__MOE_RG);
-    return dsk_gather_rows(ctx, dst, src, &rg);
+    return dsk_gather_rows_scaled(ctx, dst, src, &rg, NULL);
 }
 
 /* The rows to the experts, landed in STAGE (by source rank), regrouped expert-major into dst. */

@@ -43,6 +43,7 @@ static const variant variants[] = {
     {"exact, overlapped, chunked", 0, 0, 0, 0, 1, 0, 0, 0},
     {"bounded, serial", 1, 1, 0, 0, 0, 0, 0, 0},
     {"bounded, overlapped", 0, 1, 0, 0, 0, 0, 0, 0},
+    {"bounded, overlapped, chunked", 0, 1, 0, 0, 1, 0, 0, 0},
     {"exact, overlapped, node-limited", 0, 0, 1, 0, 0, 0, 0, 0},
     {"exact, overlapped, chunked, node-limited", 0, 0, 1, 0, 1, 0, 0, 0},
     {"exact, serial, two-hop", 1, 0, 0, 1, 0, 0, 0, 0},

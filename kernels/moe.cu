@@ -206,6 +206,20 @@ extern "C" dsk_status dsk_cuda_moe_ep_inverse(dsk_ctx *ctx, int El, int64_t n, c
     return DSK_OK;
 }
 
+__global__ void dsk__moe_k_block_segments(int64_t n, int El, int64_t Cp, const int32_t *key, int32_t *seg) {
+    DSK__CUDA_FOR(i, n) seg[i] = dsk__moe_block_segment(i, El, Cp, key);
+}
+
+extern "C" dsk_status dsk_cuda_moe_block_segments(dsk_ctx *ctx, int P, int El, int64_t Cp, const int32_t *key,
+                                                  int32_t *seg) {
+    static const char *fn = "dsk_moe_forward (bounded EP chunks' segments)";
+    int64_t n = (int64_t)P * (El + 1);
+    DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
+    DSK__CUDA_LAUNCH(fn, dsk__moe_k_block_segments, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n, n,
+                     El, Cp, key, seg);
+    return DSK_OK;
+}
+
 __global__ void dsk__moe_k_counts(int64_t T, int K, int E, const int32_t *off_all, const int32_t *off, int64_t *cnt) {
     if (threadIdx.x == 0) dsk__moe_counts(T, K, E, off_all, off, cnt);
 }

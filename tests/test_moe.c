@@ -1822,8 +1822,8 @@ done:
 /* The exchange variants give the serial exact exchange's results bit for bit: the exact one overlapped with
    compute (ep_overlap) and chunked (ep_chunk ON: the experts start on this rank's own rows, then run each other
    rank's as they land, one chunk per rank, which stats.ep_chunks must show) or not, the exact one
-   serial with ep_chunk ON (chunking needs the overlap), the bounded one (DSK_MOE_EP_BOUNDED) serial and
-   overlapped, the exact one overlapped with ep_chunk AUTO (chunked where the ranks span emulated nodes only);
+   serial with ep_chunk ON (chunking needs the overlap), the bounded one (DSK_MOE_EP_BOUNDED) serial,
+   overlapped, and overlapped and chunked, the exact one overlapped with ep_chunk AUTO (chunked where the ranks span emulated nodes only);
    dropless, under capacity (which must drop slots here) and, across emulated nodes, with node-limited routing.
    Then FP8 dispatch (with experts in the activation dtype and in FP8) overlapped against serial: 1, or 0 with the
    differences on stderr. */
@@ -1834,7 +1834,8 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
                                   "bounded serial",
                                   "bounded overlapped",
                                   "exact serial with ep_chunk ON",
-                                  "exact overlapped with ep_chunk AUTO"};
+                                  "exact overlapped with ep_chunk AUTO",
+                                  "bounded overlapped chunked"};
     static const char *cfs[] = {"dropless", "capacity", "node-limited"};
     int ok = 1;
     for (int cf = 0; cf < (c->n_nodes > 1 ? 3 : 2); cf++) {
@@ -1852,13 +1853,15 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
         b.ep_exchange = DSK_MOE_EP_EXACT;
         b.ep_overlap = 0;
         if (ep_step_record(c, b, x_rows, dy_rows, &a, &na, NULL)) ok = same = 0;
-        for (int v = 1; v < 7; v++) {
+        for (int v = 1; v < 8; v++) {
             float *d = NULL;
             size_t nd = 0;
-            int want = v == 1 || (v == 6 && c->n_nodes > 1) ? c->world_size : 0; /* own rows, one per other rank */
-            b.ep_exchange = v == 3 || v == 4 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+            int want = v == 1 || v == 7 || (v == 6 && c->n_nodes > 1) ? c->world_size : 0; /* own, then each other */
+            b.ep_exchange = v == 3 || v == 4 || v == 7 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
             b.ep_overlap = v != 3 && v != 5;
-            b.ep_chunk = v == 1 || v == 5 ? DSK_MOE_CHUNK_ON : v == 6 ? DSK_MOE_CHUNK_AUTO : DSK_MOE_CHUNK_OFF;
+            b.ep_chunk = v == 1 || v == 5 || v == 7 ? DSK_MOE_CHUNK_ON
+                         : v == 6                   ? DSK_MOE_CHUNK_AUTO
+                                                    : DSK_MOE_CHUNK_OFF;
             int64_t chunks = -1;
             int got = ep_step_record(c, b, x_rows, dy_rows, &d, &nd, &chunks) == 0;
             if (!got) ok = same = 0;
@@ -1909,11 +1912,12 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
 /* Saved forwards under expert parallelism: 4 micro-batches made of the rank's rows through 2 slots (the
    pipeline order of sl_run), each call split in its begin and end or in all its steps, and (dropless) two
    layers' calls in interleaved steps (sl_pair), give the serial order's bits, with the exact exchange serial
-   and overlapped and chunked, the bounded one overlapped, FP8 dispatch and experts overlapped, and across 2
+   and overlapped and chunked, the bounded one overlapped (chunked or not), FP8 dispatch and experts overlapped, and across 2
    nodes two hops; dropless, under capacity and (2 nodes) node-limited. */
 static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
-    static const char *names[] = {"exact serial", "exact overlapped chunked", "bounded overlapped",
-                                  "FP8 dispatch and experts overlapped", "two hops"};
+    static const char *names[] = {"exact serial",       "exact overlapped chunked",
+                                  "bounded overlapped", "FP8 dispatch and experts overlapped",
+                                  "two hops",           "bounded overlapped chunked"};
     sl_io io;
     int ok = 1;
     for (int i = 0; i < SL_MB; i++) { /* x, dy; dy, x; -x, 2 dy; (x + dy) / 2, -dy */
@@ -1926,9 +1930,9 @@ static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const floa
             io.dy[i][j] = i == 0 ? d : i == 1 ? x : i == 2 ? 2.0f * d : -d;
         }
     }
-    for (int k = 0; k < 5 * 3; k++) {
+    for (int k = 0; k < 6 * 3; k++) {
         static const char *cfs[] = {"dropless", "capacity 0.75", "node-limited"};
-        int v = k % 5, cf = k / 5;
+        int v = k % 6, cf = k / 6;
         dsk_moe_opts b = o;
         size_t n1 = 0, n2 = 0;
         float *serial, *slots;
@@ -1939,9 +1943,9 @@ static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const floa
             b.topk_group = 0;
             b.node_limit = 1;
         }
-        b.ep_overlap = v > 0 && v < 4;
-        b.ep_chunk = v == 1 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
-        b.ep_exchange = v == 2 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+        b.ep_overlap = v > 0 && v != 4;
+        b.ep_chunk = v == 1 || v == 5 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+        b.ep_exchange = v == 2 || v == 5 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
         b.ep_dispatch = v == 3 ? DSK_MOE_DISPATCH_FP8 : DSK_MOE_DISPATCH_ACT;
         b.expert_gemm = v == 3 ? DSK_MOE_GEMM_FP8 : DSK_MOE_GEMM_ACT;
         b.ep_route = v == 4 ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;

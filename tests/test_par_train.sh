@@ -162,8 +162,10 @@ done
 
 # --ep-overlap: the expert exchanges travelling beside what does not wait on them, and with chunked, the
 # experts starting on a rank's own rows first (dsk_moe's ep_overlap, ep_chunk): every logged number is the serial
-# run's, bit for bit (dp2 x ep2 in bf16, and tp2 x dp2 x ep2 with its two trainers' MoE calls).
-for spec in "dp2ep2|--nproc 2 --ep 2 --dtype bf16" "tp2ep2|--nproc 4 --tp 2 --ep 2"; do
+# run's, bit for bit (dp2 x ep2 in bf16 with the exact and the bounded exchange, and tp2 x dp2 x ep2 with its two
+# trainers' MoE calls).
+for spec in "dp2ep2|--nproc 2 --ep 2 --dtype bf16" "dp2ep2b|--nproc 2 --ep 2 --dtype bf16 --ep-exchange bounded" \
+    "tp2ep2|--nproc 4 --tp 2 --ep 2"; do
     name=${spec%%|*}
     for ov in off on chunked; do
         # shellcheck disable=SC2086

@@ -96,6 +96,20 @@ if [ "$(cat "$work/ep_serial.rc")$(cat "$work/ep_chunked.rc")" = 00 ] && [ "$(ec
    [ "$a" = "$b" ]; then ok "$what"
 else bad "$what" "exit $(cat "$work/ep_serial.rc")/$(cat "$work/ep_chunked.rc")" "$(diff <(echo "$a") <(echo "$b") | head -6)"; fi
 
+# the bounded exchange chunked: no host sync still, so the step is one graph; eager and replayed, the serial
+# bounded exchange's numbers
+run ep_bchunked "${TINY[@]}" --dtype bf16 --accum 2 --nproc 2 --ep 2 --ep-exchange bounded --steps 10 --ep-overlap chunked
+run ep_bchunked_graph "${TINY[@]}" --dtype bf16 --accum 2 --nproc 2 --ep 2 --ep-exchange bounded --steps 10 \
+    --ep-overlap chunked --cuda-graph
+what="--ep-overlap chunked --ep-exchange bounded, bf16 --accum 2 --nproc 2 --ep 2: eager and --cuda-graph log the"
+what="$what serial exchange's numbers bit for bit"
+a=$(fields eager_bf16_10); b=$(fields ep_bchunked); g=$(fields ep_bchunked_graph)
+if [ "$(cat "$work/ep_bchunked.rc")$(cat "$work/ep_bchunked_graph.rc")" = 00 ] && [ -n "$a" ] && [ "$a" = "$b" ] &&
+   [ "$a" = "$g" ] && grep -q "cuda graph: each step replays one captured graph" "$work/ep_bchunked_graph.out"; then
+    ok "$what"
+else bad "$what" "exit $(cat "$work/ep_bchunked.rc")/$(cat "$work/ep_bchunked_graph.rc")" \
+    "$(diff <(echo "$a") <(echo "$b") | head -4; diff <(echo "$a") <(echo "$g") | head -4)"; fi
+
 run zero "${TINY[@]}" --zero 1 --cuda-graph
 expect_run zero fail "--cuda-graph runs without --zero" "--cuda-graph with --zero fails with a message"
 

@@ -350,8 +350,8 @@ done:
    router's backward), with the serial exchange's syncs, and the exact one chunked (ep_chunk ON: the experts
    start on this rank's own rows while the ring shifts carry the others', a chunk a rank, each chunk's rows-form
    GEMMs a launch each whatever the experts a rank holds: the serial step's count a chunk, on the emulator; AUTO
-   does not chunk a CUDA layer, across the emulated hosts too); and FP8 dispatch overlapped gives its serial
-   bits. */
+   does not chunk a CUDA layer, across the emulated hosts too), and the bounded one chunked, still without a host
+   sync; and FP8 dispatch overlapped gives its serial bits. */
 static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
                              int64_t row0, int64_t NT) {
     static const char *names[] = {"",
@@ -359,7 +359,8 @@ static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
                                   "exact overlapped",
                                   "bounded overlapped",
                                   "exact overlapped chunked",
-                                  "exact overlapped with ep_chunk AUTO"};
+                                  "exact overlapped with ep_chunk AUTO",
+                                  "bounded overlapped chunked"};
     for (int cap = 0; cap < 2; cap++) {
         size_t na = 0;
         int64_t sa = -1, da = -1, gmm_a = -1;
@@ -371,15 +372,15 @@ static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
         DSK_TEST_EXPECT(a, "capacity %g: the exact step failed: %s", (double)o.capacity_factor, dsk_last_error());
         DSK_TEST_EXPECT(sa == 1, "capacity %g: exact EP: %lld syncs (want the counts' 1)", (double)o.capacity_factor,
                         (long long)sa);
-        for (int v = 1; v < 6; v++) {
+        for (int v = 1; v < 7; v++) {
             size_t nb = 0;
-            int exact = v == 2 || v >= 4;
+            int exact = v == 2 || v == 4 || v == 5, chunked = v == 4 || v == 6;
             int64_t sb = -1, db = -1, want = exact ? 1 : 0, chunks = -1, gmm = -1;
-            int64_t want_chunks = v == 4 ? c->world_size : 0; /* own, then a rank each; AUTO: CPU layers only */
+            int64_t want_chunks = chunked ? c->world_size : 0; /* own, then a rank each; AUTO: CPU layers only */
             char *b;
             o.ep_exchange = exact ? DSK_MOE_EP_EXACT : DSK_MOE_EP_BOUNDED;
             o.ep_overlap = v >= 2;
-            o.ep_chunk = v == 4 ? DSK_MOE_CHUNK_ON : v == 5 ? DSK_MOE_CHUNK_AUTO : DSK_MOE_CHUNK_OFF;
+            o.ep_chunk = chunked ? DSK_MOE_CHUNK_ON : v == 5 ? DSK_MOE_CHUNK_AUTO : DSK_MOE_CHUNK_OFF;
             b = ep_step_bytes(c, g, o, gx, gdy, row0, NT, &nb, &sb, &db, &chunks, &gmm);
             DSK_TEST_EXPECT(b, "capacity %g: %s: the step failed: %s", (double)o.capacity_factor, names[v],
                             dsk_last_error());
@@ -389,7 +390,7 @@ static void ep_bounded_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_
                             (long long)(exact ? da : 0));
             DSK_TEST_EXPECT(!b || chunks == want_chunks, "capacity %g: %s: %lld chunks, want %lld",
                             (double)o.capacity_factor, names[v], (long long)chunks, (long long)want_chunks);
-            if (v == 4 && gmm_a >= 0) /* on the emulator: at most the serial count a chunk (an empty one has none) */
+            if (chunked && gmm_a >= 0) /* on the emulator: at most the serial count a chunk (an empty one has none) */
                 DSK_TEST_EXPECT(gmm > 0 && gmm <= chunks * gmm_a,
                                 "capacity %g: %s: %lld rows-form grouped GEMM launches, want 1 to %lld (serial %lld "
                                 "a step, %lld chunks; %d experts a rank)",
@@ -486,27 +487,27 @@ static char *ep_slots_bytes(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_t
 
 /* Saved forwards over nccl: two micro-batches in 2 slots, calls in one piece, split in begin and end or in all
    their steps, give the serial order's y, dx and gradients bit for bit, with the exact exchange, the bounded
-   one overlapped (whose calls make no host sync) and the exact one overlapped and chunked. */
+   one overlapped (whose calls make no host sync) and the exact and bounded ones overlapped and chunked. */
 static void ep_slots_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy,
                            int64_t row0, int64_t NT) {
-    for (int v = 0; v < 3; v++) { /* exact serial, bounded overlapped, exact overlapped and chunked */
+    for (int v = 0; v < 4; v++) { /* exact serial, bounded overlapped, exact and bounded overlapped and chunked */
         static const char *what[] = {"", "2 slots = serial: y, dx, gradients", "2 slots, split = serial",
                                      "2 slots, in steps = serial"};
-        static const char *ways[] = {"exact", "bounded", "exact chunked"};
+        static const char *ways[] = {"exact", "bounded", "exact chunked", "bounded chunked"};
         size_t n[4] = {0, 0, 0, 0};
         int64_t sy[4] = {-1, -1, -1, -1};
-        int bounded = v == 1;
+        int bounded = v == 1 || v == 3;
         char *r[4];
         o.ep_exchange = bounded ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
         o.ep_overlap = v > 0;
-        o.ep_chunk = v == 2 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+        o.ep_chunk = v >= 2 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
         for (int k = 0; k < 4; k++) /* 1 slot; 2; 2 split; 2 in steps */
             r[k] = ep_slots_bytes(c, g, o, gx, gdy, row0, NT, k ? 2 : 1, k >= 2 ? k - 1 : 0, &n[k], &sy[k]);
         DSK_TEST_EXPECT(r[0] && r[1] && r[2] && r[3], "saved forwards (%s): a run failed: %s", ways[v],
                         dsk_last_error());
         DSK_TEST_EXPECT(!bounded || (sy[0] == 0 && sy[1] == 0 && sy[2] == 0 && sy[3] == 0),
-                        "bounded: %lld, %lld, %lld and %lld host syncs (want 0)", (long long)sy[0], (long long)sy[1],
-                        (long long)sy[2], (long long)sy[3]);
+                        "%s: %lld, %lld, %lld and %lld host syncs (want 0)", ways[v], (long long)sy[0],
+                        (long long)sy[1], (long long)sy[2], (long long)sy[3]);
         for (int k = 1; k < 4 && r[0]; k++)
             if (r[k]) DSK_TEST_SAME_BYTES(r[k], r[0], n[0] < n[k] ? n[0] : n[k], what[k]);
         for (int k = 0; k < 4; k++) free(r[k]);
