@@ -1780,35 +1780,35 @@ static int ep_nonfinite(dsk_moe *m, int rank, const float *x_rows) {
     return ok;
 }
 
-/* One step (forward, backward, bias update over c) of a fresh layer of options o on this rank's rows:
+/* One step (forward, backward, bias update over c) of a fresh layer of options o on this rank's first T rows:
    y, dx, the gradient slab, the loads and the dropped count, then the updated bias, appended to buf
    (malloc'd, *len floats); *chunks (may be NULL) the forward's stats.ep_chunks. */
-static int ep_step_record(dsk_comm *c, dsk_moe_opts o, const float *x_rows, const float *dy_rows, float **buf,
-                          size_t *len, int64_t *chunks) {
+static int ep_step_record_t(dsk_comm *c, dsk_moe_opts o, int64_t T, const float *x_rows, const float *dy_rows,
+                            float **buf, size_t *len, int64_t *chunks) {
     dsk_moe m;
     owned own;
     dsk_tensor x, y, dx, dy;
-    int64_t shp[2] = {EP_T, EP_D}, ng;
+    int64_t shp[2] = {T, EP_D}, ng;
     dsk_moe_stats st;
     size_t at;
     int rc = 0;
     if (make_layer(&m, &own, &o) != DSK_OK) return 1;
     ng = dsk_tensor_numel(&own.grads);
-    *len = (size_t)(2 * EP_T * EP_D + ng + EP_E + 1 + EP_E);
+    *len = (size_t)(2 * T * EP_D + ng + EP_E + 1 + EP_E);
     *buf = (float *)malloc(sizeof(float) * *len);
     for (size_t i = 0; i < *len; i++) (*buf)[i] = NAN; /* poisoned */
     dsk_tensor_wrap(&x, (void *)x_rows, DSK_F32, dsk_cpu(), 2, shp);
     dsk_tensor_wrap(&dy, (void *)dy_rows, DSK_F32, dsk_cpu(), 2, shp);
     dsk_tensor_wrap(&y, *buf, DSK_F32, dsk_cpu(), 2, shp);
-    dsk_tensor_wrap(&dx, *buf + EP_T * EP_D, DSK_F32, dsk_cpu(), 2, shp);
-    memset(dx.data, 0, sizeof(float) * EP_T * EP_D);
+    dsk_tensor_wrap(&dx, *buf + T * EP_D, DSK_F32, dsk_cpu(), 2, shp);
+    memset(dx.data, 0, sizeof(float) * T * EP_D);
     if (dsk_moe_forward(&m, NULL, &y, &x, &st) != DSK_OK || dsk_moe_backward(&m, NULL, &dx, &dy, 1.0f) != DSK_OK ||
         dsk_moe_update_bias(&m, NULL, c) != DSK_OK) {
         rc = 2;
         goto done;
     }
     if (chunks) *chunks = st.ep_chunks;
-    at = 2 * EP_T * EP_D;
+    at = 2 * T * EP_D;
     memcpy(*buf + at, own.grads.data, sizeof(float) * (size_t)ng);
     at += (size_t)ng;
     for (int e = 0; e < EP_E; e++) (*buf)[at++] = (float)st.tokens_per_expert[e];
@@ -1817,6 +1817,53 @@ static int ep_step_record(dsk_comm *c, dsk_moe_opts o, const float *x_rows, cons
 done:
     drop_layer(&m, &own);
     return rc;
+}
+
+static int ep_step_record(dsk_comm *c, dsk_moe_opts o, const float *x_rows, const float *dy_rows, float **buf,
+                          size_t *len, int64_t *chunks) {
+    return ep_step_record_t(c, o, EP_T, x_rows, dy_rows, buf, len, chunks);
+}
+
+/* A batch of no tokens under expert parallelism (a rank's share of an uneven split): rank 0's empty, the exact
+   exchange overlapped and chunked give the serial one's bits on every rank; every rank's empty (the bounded
+   exchange needs one T), the bounded one serial, overlapped and chunked give the exact one's. 1 if all hold. */
+static int ep_empty_batch(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
+    static const char *names[] = {"exact serial",   "exact overlapped",   "exact overlapped chunked",
+                                  "bounded serial", "bounded overlapped", "bounded overlapped chunked"};
+    float *ref[2] = {NULL, NULL};
+    size_t nref[2] = {0, 0};
+    int ok = 1;
+    for (int all = 0; all < 2; all++) {
+        o.ep_exchange = DSK_MOE_EP_EXACT;
+        o.ep_overlap = 0;
+        o.ep_chunk = DSK_MOE_CHUNK_OFF;
+        if (ep_step_record_t(c, o, all || rank == 0 ? 0 : EP_T, x_rows, dy_rows, &ref[all], &nref[all], NULL)) {
+            fprintf(stderr, "rank %d: %s with %s empty: %s\n", rank, names[0], all ? "every batch" : "rank 0's",
+                    dsk_last_error());
+            ok = 0;
+        }
+    }
+    for (int v = 1; v < 6; v++) {
+        float *d = NULL;
+        size_t nd = 0;
+        int all = v >= 3;
+        o.ep_exchange = all ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+        o.ep_overlap = v % 3 > 0;
+        o.ep_chunk = v % 3 == 2 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+        if (ep_step_record_t(c, o, all || rank == 0 ? 0 : EP_T, x_rows, dy_rows, &d, &nd, NULL)) {
+            fprintf(stderr, "rank %d: %s with %s empty: %s\n", rank, names[v], all ? "every batch" : "rank 0's",
+                    dsk_last_error());
+            ok = 0;
+        } else if (ref[all] && (nd != nref[all] || memcmp(d, ref[all], sizeof(float) * nd) != 0)) {
+            fprintf(stderr, "rank %d: %s with %s empty differs from the serial exact\n", rank, names[v],
+                    all ? "every batch" : "rank 0's");
+            ok = 0;
+        }
+        free(d);
+    }
+    free(ref[0]);
+    free(ref[1]);
+    return ok;
 }
 
 /* The exchange variants give the serial exact exchange's results bit for bit: the exact one overlapped with
@@ -2294,6 +2341,7 @@ static int ep_rank_main(int rank, int n, int port, int sigmoid, const float *gx,
     *bounded_ok = ep_slots_same(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D) && *bounded_ok;
     *node_ok = n == 4 ? ep_node_limited(&c, o, rank, gx + rank * EP_T * EP_D) : 1;
     *node_ok = *node_ok && (n != 4 || ep_two_hop(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D));
+    *node_ok = *node_ok && ep_empty_batch(&c, o, rank, gx + rank * EP_T * EP_D, gdy + rank * EP_T * EP_D);
     *node_ok = *node_ok && ep_bounded_uneven(o, rank);
     dsk_comm_free(&c); /* unusable after the uneven exchange */
     return 0;
@@ -2384,7 +2432,8 @@ static void ep_check(ep_job *j) {
     int64_t shp[2] = {NT, EP_D};
     dsk_test_begin(
         "expert parallel %s over %d ranks = 1 rank, overlapped (chunked or not; FP8 dispatch too) & bounded = "
-        "serial, 2 saved forwards = serial order, node-limited and two-hop = flat (bits, bytes off the node) on 4",
+        "serial, 2 saved forwards = serial order, node-limited and two-hop = flat (bits, bytes off the node) on 4, "
+        "empty batches",
         j->sigmoid ? "sigmoid+groups" : "softmax", n);
     memset(&y, 0, sizeof y); memset(&dx, 0, sizeof dx);
     DSK_TEST_OK(make_layer(&ref, &own, &o));
@@ -2403,8 +2452,8 @@ static void ep_check(ep_job *j) {
                         r);
         DSK_TEST_EXPECT(j->flags[24 + r] == 1,
                         "rank %d: node-limited routing (2 emulated nodes) broke its rule, two hops differ from flat "
-                        "or miscount the bytes off the node, or an uneven T under the bounded exchange did not fail "
-                        "every rank",
+                        "or miscount the bytes off the node, an empty batch failed or changed the bits, or an uneven T "
+                        "under the bounded exchange did not fail every rank",
                         r);
     }
     one_layer_step(&ref, j->gx, j->gdy, shp, &y, &dx, &st);
