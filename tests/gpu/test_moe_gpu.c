@@ -514,6 +514,33 @@ static void ep_slots_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_te
     }
 }
 
+/* Every rank's batch empty (the bounded exchange needs one T): the exact exchange and the bounded one serial,
+   overlapped and chunked run through and give the same (empty) y and dx and gradients, the bounded ones with no
+   host sync. */
+static void ep_empty_check(dsk_comm *c, dsk_ctx *g, dsk_moe_opts o, const dsk_tensor *gx, const dsk_tensor *gdy) {
+    static const char *names[] = {"exact serial", "bounded serial", "bounded overlapped", "bounded overlapped chunked"};
+    dsk_tensor x0, dy0;
+    size_t n[4] = {0, 0, 0, 0};
+    char *r[4];
+    DSK_TEST_OK(dsk_tensor_slice(gx, 0, 0, 0, &x0));
+    DSK_TEST_OK(dsk_tensor_slice(gdy, 0, 0, 0, &dy0));
+    for (int v = 0; v < 4; v++) {
+        int64_t sy = -1, d2h = -1;
+        o.ep_exchange = v ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
+        o.ep_overlap = v >= 2;
+        o.ep_chunk = v == 3 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+        r[v] = ep_step_bytes(c, g, o, &x0, &dy0, 0, 0, &n[v], &sy, &d2h, NULL, NULL);
+        DSK_TEST_EXPECT(r[v], "every batch empty: %s: the step failed: %s", names[v], dsk_last_error());
+        DSK_TEST_EXPECT(!v || (sy == 0 && d2h == 0), "every batch empty: %s: %lld syncs, %lld copies back (want 0)",
+                        names[v], (long long)sy, (long long)d2h);
+        if (v && r[0] && r[v]) {
+            DSK_TEST_EXPECT(n[v] == n[0], "every batch empty: %s: %zu bytes, the exact %zu", names[v], n[v], n[0]);
+            DSK_TEST_SAME_BYTES(r[v], r[0], n[0] < n[v] ? n[0] : n[v], names[v]);
+        }
+    }
+    for (int v = 0; v < 4; v++) free(r[v]);
+}
+
 /* Two hops over the emulated hosts (ep_route TWO_HOP; AUTO routes flat on CUDA): the CUDA layer routed in two
    hops (serial and with ep_overlap) gives the flat route's y, dx and gradients bit for bit, dropless and under
    capacity 0.75; the host syncs of its forward and backward are printed (the route is planned on the host). */
@@ -679,6 +706,7 @@ static int ep_rank(int sigmoid, int hosts) {
     }
     ep_bounded_check(&c, &g, o, &gx, &gdy, (int64_t)me * EP_T, NT);
     ep_slots_check(&c, &g, o, &gx, &gdy, (int64_t)me * EP_T, NT);
+    ep_empty_check(&c, &g, o, &gx, &gdy);
     if (hosts) ep_two_hop_check(&c, &g, o, &gx, &gdy, (int64_t)me * EP_T, NT);
     { /* rows adding up to NT, total_rows NT + 2 EP_T (whole sequences): NaN values, no host sync in the forward */
         dsk_ctx_counters c0;
