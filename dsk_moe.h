@@ -133,7 +133,7 @@
      Overlap (opts.ep_overlap 1; off by default: on the host it pays where the link is slower than the
      compute, bench/RESULTS.md): the exchange's all-to-all-v begun (dsk_comm_all_to_all_v_start: the
      messages the shared-memory rings or the sockets take leave at once) and finished at the wait, or on a
-     second thread when the transport left bytes unsent (the flat exact exchange of activation rows; chunked,
+     second thread when the transport left bytes unsent (the flat exchange of activation rows; chunked,
      the layer moves it on between its chunks instead; a thread for every exchange cost more over shared
      memory than it hid); the other host
      exchanges on a second thread (host backend); or a stream of the layer's own that
@@ -3621,36 +3621,50 @@ static dsk_status dsk__moe_ep_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor
 }
 
 static dsk_status dsk__moe_others_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows);
+static dsk_status dsk__moe_a2a(dsk_moe *m, dsk_ctx *ctx, const void *send, const int64_t *sc, const int64_t *sd,
+                               void *recv, const int64_t *rc, const int64_t *rd, dsk_dtype dt);
 
 /* Bounded EP: rows (kept order) -> each peer's block of Cp rows -> dst (R), expert-major (rows past
-   the received ones zero); chunked: the other peers' blocks begun into STAGE2. */
+   the received ones zero); chunked: the other peers' blocks begun into STAGE2; begun (host, st->xch_begin): all
+   of them, regrouped at the exchange's end (dsk__moe_exchange_finish). */
 static dsk_status dsk__moe_to_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
+    const int64_t *a = st->f->a2a, P = m->ep_size;
     dsk_tensor send, recv, pad = dsk__moe_saved(m, DSK__MOE_EP_PAD), rg = dsk__moe_saved(m, DSK__MOE_RG);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &send));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, st->f->T, st->f->R, &recv));
     send = dsk__moe_rows(&send, st->f->R);
     DSK__TRY(dsk_gather_rows_scaled(ctx, &send, rows, &pad, NULL));
     if (st->chunked) return dsk__moe_others_to_experts(m, ctx, &send);
+    if (st->xch_begin) return dsk__moe_a2a(m, ctx, send.data, a, a + P, recv.data, a + 2 * P, a + 3 * P, rows->dtype);
     DSK__TRY(dsk_comm_all_to_all(m->opts.ep, ctx, send.data, recv.data, st->f->R / m->ep_size * m->opts.d_model,
                                  rows->dtype));
     return dsk_gather_rows_scaled(ctx, dst, &recv, &rg, NULL);
 }
 
+/* The bounded return's blocks, landed in STAGE, into dst (kept order). */
+static dsk_status dsk__moe_unpad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst) {
+    dsk_tensor recv, unpad = dsk__moe_saved(m, DSK__MOE_EP_UNPAD);
+    DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, m->st->f->T, m->st->f->R, &recv));
+    recv = dsk__moe_rows(&recv, m->st->f->R);
+    unpad = dsk__moe_rows(&unpad, dst->shape[0]);
+    return dsk_gather_rows_scaled(ctx, dst, &recv, &unpad, NULL);
+}
+
 /* ... and back: rows (R, expert-major; chunked: the blocks' order) to their sources' blocks, then into dst (kept
-   order). */
+   order; begun: at the exchange's end). */
 static dsk_status dsk__moe_from_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_state *st = m->st;
-    dsk_tensor send, recv, rgi = dsk__moe_saved(m, DSK__MOE_RGI), unpad = dsk__moe_saved(m, DSK__MOE_EP_UNPAD);
+    const int64_t *a = st->f->a2a, P = m->ep_size;
+    dsk_tensor send, recv, rgi = dsk__moe_saved(m, DSK__MOE_RGI);
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE2, st->f->T, st->f->R, &send));
     DSK__TRY(dsk__moe_buf(m, ctx, DSK__MOE_STAGE, st->f->T, st->f->R, &recv));
-    recv = dsk__moe_rows(&recv, st->f->R);
-    unpad = dsk__moe_rows(&unpad, dst->shape[0]);
     if (st->chunked) send = *rows; /* the chunks computed in the exchange's order */
     else DSK__TRY(dsk_gather_rows_scaled(ctx, &send, rows, &rgi, NULL));
+    if (st->xch_begin) return dsk__moe_a2a(m, ctx, send.data, a + 2 * P, a + 3 * P, recv.data, a, a + P, rows->dtype);
     DSK__TRY(dsk_comm_all_to_all(m->opts.ep, ctx, send.data, recv.data, st->f->R / m->ep_size * m->opts.d_model,
                                  rows->dtype));
-    return dsk_gather_rows_scaled(ctx, dst, &recv, &unpad, NULL);
+    return dsk__moe_unpad(m, ctx, dst);
 }
 
 /* Two hops in the layer (opts.ep_route TWO_HOP). The forward's dispatch and backward's rows to the
@@ -4024,19 +4038,18 @@ static void dsk__moe_queue_landed(dsk__moe_async *a);
 static void dsk__moe_queue_shifts(dsk__moe_async *a, int k);
 #endif
 
-/* Whether an overlapped host exchange runs without a thread: the flat exact exchange of activation rows (and the
-   bounded one's rows to the experts when chunked), whose all-to-all-v begins at the start (the messages the transport takes now: shared-memory rings, sockets' buffers)
+/* Whether an overlapped host exchange runs without a thread: the flat exchange (exact or bounded) of activation
+   rows, whose all-to-all-v begins at the start (the messages the transport takes now: shared-memory rings, sockets' buffers)
    and finishes at the wait, or on the thread when the transport did not take them all (not chunked: there the
    layer moves it on between its chunks, dsk_comm_progress). A thread of its own cost the step more over shared
    memory than the exchange it hid (bench/RESULTS.md). */
 static int dsk__moe_begins(const dsk_moe *m, int way) {
     return m->device.type == DSK_DEV_CPU && m->opts.ep_route != DSK_MOE_ROUTE_TWO_HOP &&
-           (m->opts.ep_exchange != DSK_MOE_EP_BOUNDED || (m->st->chunked && way != DSK__MOE_XCH_FROM_EXPERTS)) &&
            (way != DSK__MOE_XCH_DISPATCH || m->opts.ep_dispatch != DSK_MOE_DISPATCH_FP8);
 }
 
 /* The begun exchange's end: its all-to-all finished, the rows to the experts regrouped (chunked: the ranks not
-   queued yet queued). */
+   queued yet queued), the bounded return's blocks unpadded. */
 static dsk_status dsk__moe_exchange_finish(dsk__moe_async *a) {
     DSK__TRY(dsk_comm_finish(a->m->opts.ep, a->ctx));
     if (a->chunked) {
@@ -4044,7 +4057,8 @@ static dsk_status dsk__moe_exchange_finish(dsk__moe_async *a) {
         dsk__moe_queue_landed(a);
         return DSK_OK;
     }
-    return a->way == DSK__MOE_XCH_FROM_EXPERTS ? DSK_OK : dsk__moe_stage_to_experts(a->m, a->ctx, a->dst);
+    if (a->way != DSK__MOE_XCH_FROM_EXPERTS) return dsk__moe_stage_to_experts(a->m, a->ctx, a->dst);
+    return a->m->opts.ep_exchange == DSK_MOE_EP_BOUNDED ? dsk__moe_unpad(a->m, a->ctx, a->dst) : DSK_OK;
 }
 
 static void *dsk__moe_finish_main(void *p) {
