@@ -4039,8 +4039,8 @@ static void dsk__moe_queue_shifts(dsk__moe_async *a, int k);
 #endif
 
 /* Whether an overlapped host exchange runs without a thread: the flat exchange (exact or bounded) of activation
-   rows, whose all-to-all-v begins at the start (the messages the transport takes now: shared-memory rings, sockets' buffers)
-   and finishes at the wait, or on the thread when the transport did not take them all (not chunked: there the
+   rows, whose all-to-all-v begins at the start (the messages the transport takes now: shared-memory rings, sockets'
+   buffers) and finishes at the wait, or on the thread when the transport did not take them all (not chunked: there the
    layer moves it on between its chunks, dsk_comm_progress). A thread of its own cost the step more over shared
    memory than the exchange it hid (bench/RESULTS.md). */
 static int dsk__moe_begins(const dsk_moe *m, int way) {
@@ -4170,8 +4170,8 @@ static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s) {
    they sum whole segments, as serial. */
 
 /* Chunks on this call: ON (or AUTO with a CPU layer's ep group across nodes), ep_overlap (CUDA: its exchanges'
-   stream), the flat exchange (exact or bounded) of activation rows, ACT experts; on the CPU (f32) the default ISA's row kernels
-   (backward's SwiGLU gradient, dsk_swiglu_grad_cpu). */
+   stream), the flat exchange (exact or bounded) of activation rows, ACT experts; on the CPU (f32) the default ISA's
+   row kernels (backward's SwiGLU gradient, dsk_swiglu_grad_cpu). */
 static int dsk__moe_chunking(const dsk_moe *m, const dsk_ctx *ctx) {
     const dsk_moe_opts *o = &m->opts;
     if (m->ep_size <= 1 || !o->ep_overlap || o->ep_chunk == DSK_MOE_CHUNK_OFF) return 0;

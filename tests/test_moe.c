@@ -1868,10 +1868,10 @@ static int ep_empty_batch(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_
 
 /* The exchange variants give the serial exact exchange's results bit for bit: the exact one overlapped with
    compute (ep_overlap) and chunked (ep_chunk ON: the experts start on this rank's own rows, then run each other
-   rank's as they land, one chunk per rank, which stats.ep_chunks must show) or not, the exact one
-   serial with ep_chunk ON (chunking needs the overlap), the bounded one (DSK_MOE_EP_BOUNDED) serial,
-   overlapped, and overlapped and chunked, the exact one overlapped with ep_chunk AUTO (chunked where the ranks span emulated nodes only);
-   dropless, under capacity (which must drop slots here) and, across emulated nodes, with node-limited routing.
+   rank's as they land, one chunk per rank, which stats.ep_chunks must show) or not, the exact one serial with
+   ep_chunk ON (chunking needs the overlap), the bounded one (DSK_MOE_EP_BOUNDED) serial, overlapped, and
+   overlapped and chunked, the exact one overlapped with ep_chunk AUTO (chunked where the ranks span emulated nodes
+   only); dropless, under capacity (which must drop slots here) and, across emulated nodes, with node-limited routing.
    Then FP8 dispatch (with experts in the activation dtype and in FP8) overlapped against serial: 1, or 0 with the
    differences on stderr. */
 static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
@@ -1959,8 +1959,8 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
 /* Saved forwards under expert parallelism: 4 micro-batches made of the rank's rows through 2 slots (the
    pipeline order of sl_run), each call split in its begin and end or in all its steps, and (dropless) two
    layers' calls in interleaved steps (sl_pair), give the serial order's bits, with the exact exchange serial
-   and overlapped and chunked, the bounded one overlapped (chunked or not), FP8 dispatch and experts overlapped, and across 2
-   nodes two hops; dropless, under capacity and (2 nodes) node-limited. */
+   and overlapped and chunked, the bounded one overlapped (chunked or not), FP8 dispatch and experts overlapped, and
+   across 2 nodes two hops; dropless, under capacity and (2 nodes) node-limited. */
 static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
     static const char *names[] = {"exact serial",       "exact overlapped chunked",
                                   "bounded overlapped", "FP8 dispatch and experts overlapped",
