@@ -3476,7 +3476,7 @@ static dsk_status dsk__moe_to_host(dsk_moe *m, dsk_ctx *ctx, void *dst, const vo
 #endif
     (void)m;
     (void)ctx;
-    memcpy(dst, src, bytes);
+    if (bytes) memcpy(dst, src, bytes); /* an empty batch's arrays may be NULL */
     return DSK_OK;
 }
 
@@ -3488,7 +3488,7 @@ static dsk_status dsk__moe_to_device(dsk_moe *m, dsk_ctx *ctx, void *dst, const 
 #endif
     (void)m;
     (void)ctx;
-    memcpy(dst, src, bytes);
+    if (bytes) memcpy(dst, src, bytes); /* an empty batch's arrays may be NULL */
     return DSK_OK;
 }
 
