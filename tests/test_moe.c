@@ -2374,6 +2374,15 @@ static void one_layer_step(dsk_moe *m, float *xs, float *dys, const int64_t *shp
 
 static float *ep_result(const ep_job *j, int r) { return j->gdy + (size_t)j->NT * EP_D + j->per_rank * (size_t)r; }
 
+/* In a rank forked as one of n on this machine: what a launcher (torchrun, dsk_comm_spawn_local) tells it, so that
+   the ranks' default OpenMP teams share the cores (dsk_tensor.h's default threads) rather than each running a
+   full team whose waiting threads spin on cores the others need (on 2 cores, 4 ranks ran 10 times slower). */
+static void as_local_rank_of(int n) {
+    char v[16];
+    snprintf(v, sizeof v, "%d", n);
+    setenv("LOCAL_WORLD_SIZE", v, 1);
+}
+
 /* Waits for the n ranks forked: status[r], r in the order they end, is the wait status of a rank that
    failed (-1 if that is 0); the others are left as they are. */
 static void wait_ranks(int n, int *status) {
@@ -2393,7 +2402,9 @@ static int run_ranks(const char *what, int n, int (*fn)(void *job, int rank, int
     for (int r = 0; r < n; r++) {
         pid_t pid = fork();
         if (pid == 0) {
-            int rc = fn(job, r, port);
+            int rc;
+            as_local_rank_of(n);
+            rc = fn(job, r, port);
             if (rc) fprintf(stderr, "%s %d: step %d failed: %s\n", what, r, rc, dsk_last_error());
             _exit(rc);
         }
@@ -2868,7 +2879,9 @@ static void sp_run(sp_job *j) {
     for (int r = 0; r < j->n; r++) {
         pids[r] = fork();
         if (pids[r] == 0) {
-            int rc = sp_rank_main(j, r, port);
+            int rc;
+            as_local_rank_of(j->n);
+            rc = sp_rank_main(j, r, port);
             if (rc) fprintf(stderr, "rank %d: step %d failed: %s\n", r, rc, dsk_last_error());
             _exit(rc);
         }
@@ -4356,6 +4369,7 @@ static void rt_case(const char *name, void (*fn)(dsk_comm *, void *), int n, int
         if (pid[r] == 0) {
             dsk_comm c;
             dsk_comm_opts o;
+            as_local_rank_of(n);
             memset(&o, 0, sizeof o);
             o.backend = DSK_COMM_HOST;
             o.master_addr = "127.0.0.1";
