@@ -167,7 +167,10 @@ __device__ void dsk__gmm_tile(dsk__gview a, dsk__gview b, int64_t m_lim, int64_t
    next step's chunks are loaded into registers while the tensor cores work on this step's panels,
    then stored to the other stage (one barrier a step). Warp w computes rows 64 (w / 4) .. +64 and
    columns 32 (w % 4) .. +32 as 4 x 2 fragments (m16n16k16, f32 sums over k in order); each
-   fragment goes through the warp's own 16 x 16 of shared memory to the masked epilogue. */
+   fragment goes through the warp's own 16 x 16 of shared memory to the masked epilogue. A fragment
+   wholly past the tile's limits (an expert's last rows, a narrow C) is neither multiplied nor
+   stored, and a warp with none left only stages the panels (the tests' emulated GPU runs small
+   shapes, where most of a tile is such padding). */
 #define DSK__GMM_TC_BM 128
 #define DSK__GMM_TC_BN 128
 #define DSK__GMM_TC_BK 32
@@ -209,6 +212,11 @@ template <int INNER> __device__ void dsk__gmm_put(uint16_t *panel, int c, dsk__g
 /* The chunks of one step's panels this thread moves (the panels hold 512 chunks each). */
 #define DSK__GMM_TC_CHUNKS (DSK__GMM_TC_BM * DSK__GMM_TC_BK / 8 / DSK__GMM_TC_THREADS)
 
+/* Whether fragment f (4 x 2, row-major) of the warp at (wm, wn) has an element inside the limits. */
+__device__ inline int dsk__gmm_frag_inside(int wm, int wn, int f, int64_t m_lim, int64_t n_lim) {
+    return wm + 16 * (f / 2) < m_lim && wn + 16 * (f % 2) < n_lim;
+}
+
 template <class T, int A_COL, int B_COL>
 __device__ void dsk__gmm_tile_tc(dsk__gmm_tc_smem &sm, dsk__gview a, dsk__gview b, int64_t m_lim, int64_t n_lim,
                                  int64_t k_lim, void *c, dsk_dtype cdt, int64_t ldc, float alpha, float beta) {
@@ -219,6 +227,7 @@ __device__ void dsk__gmm_tile_tc(dsk__gmm_tc_smem &sm, dsk__gview a, dsk__gview 
     const int A_IN = A_COL ? BM : BK, B_IN = B_COL ? BK : BN; /* the panels' contiguous extents */
     const uint16_t *ap = (const uint16_t *)a.p, *bp = (const uint16_t *)b.p;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wm = (warp / 4) * 64, wn = (warp % 4) * 32;
+    int live = wm < m_lim && wn < n_lim; /* warp-uniform: whether any of the warp's fragments is inside */
     int64_t steps = (k_lim + BK - 1) / BK;
     dsk__gmm_chunk ra[DSK__GMM_TC_CHUNKS], rb[DSK__GMM_TC_CHUNKS];
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[8]; /* fragment (i, j) at 2 i + j */
@@ -236,7 +245,7 @@ __device__ void dsk__gmm_tile_tc(dsk__gmm_tc_smem &sm, dsk__gview a, dsk__gview 
                               : dsk__gmm_fetch<B_IN>(bp + k0 * b.rs, b.rs, b.cs, kl, n_lim, ch);
             }
         }
-        if (s > 0) { /* step s - 1 on the tensor cores */
+        if (s > 0 && live) { /* step s - 1 on the tensor cores */
             const T *As = (const T *)sm.panel[(s - 1) & 1][0], *Bs = (const T *)sm.panel[(s - 1) & 1][1];
             DSK__CUDA_UNROLL
             for (int kk = 0; kk < BK; kk += 16) {
@@ -253,7 +262,9 @@ __device__ void dsk__gmm_tile_tc(dsk__gmm_tc_smem &sm, dsk__gview a, dsk__gview 
                     wmma::load_matrix_sync(fb[j], p, B_IN + 8);
                 }
                 DSK__CUDA_UNROLL
-                for (int f = 0; f < 8; f++) wmma::mma_sync(acc[f], fa[f / 2], fb[f % 2], acc[f]);
+                for (int f = 0; f < 8; f++)
+                    if (dsk__gmm_frag_inside(wm, wn, f, m_lim, n_lim))
+                        wmma::mma_sync(acc[f], fa[f / 2], fb[f % 2], acc[f]);
             }
         }
         if (s < steps) { /* stage step s where step s - 2 was: every warp passed the last barrier */
@@ -268,6 +279,7 @@ __device__ void dsk__gmm_tile_tc(dsk__gmm_tc_smem &sm, dsk__gview a, dsk__gview 
     }
     DSK__CUDA_UNROLL
     for (int f = 0; f < 8; f++) {
+        if (!dsk__gmm_frag_inside(wm, wn, f, m_lim, n_lim)) continue;
         wmma::store_matrix_sync(&sm.out[warp][0][0], acc[f], 16, wmma::mem_row_major);
         __syncwarp();
         for (int e = lane; e < 256; e += 32) {
