@@ -227,7 +227,7 @@ __device__ void dsk__gmm_tile_tc(dsk__gmm_tc_smem &sm, dsk__gview a, dsk__gview 
     const int A_IN = A_COL ? BM : BK, B_IN = B_COL ? BK : BN; /* the panels' contiguous extents */
     const uint16_t *ap = (const uint16_t *)a.p, *bp = (const uint16_t *)b.p;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wm = (warp / 4) * 64, wn = (warp % 4) * 32;
-    int live = wm < m_lim && wn < n_lim; /* warp-uniform: whether any of the warp's fragments is inside */
+    int live = dsk__gmm_frag_inside(wm, wn, 0, m_lim, n_lim); /* warp-uniform: its first fragment, so any */
     int64_t steps = (k_lim + BK - 1) / BK;
     dsk__gmm_chunk ra[DSK__GMM_TC_CHUNKS], rb[DSK__GMM_TC_CHUNKS];
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[8]; /* fragment (i, j) at 2 i + j */
