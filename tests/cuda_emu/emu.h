@@ -63,7 +63,13 @@ namespace cuda_emu {
 void ensure_init();                 /* idempotent: environment, device memory, exit report */
 int num_devices();
 int current_device();               /* of the calling host thread */
-uint64_t next_random(uint64_t *state); /* splitmix64 */
+/* splitmix64; inline: the scheduler draws one at every thread switch */
+inline uint64_t next_random(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
 double now_s();
 
 /* ---------------------------------------------------------------- errors and faults (runtime.cpp) */

@@ -112,13 +112,6 @@ void ensure_init() {
 int num_devices() { return P->devices; }
 int current_device() { return t_device; }
 
-uint64_t next_random(uint64_t *state) {
-    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 double now_s() {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
