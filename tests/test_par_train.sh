@@ -575,14 +575,15 @@ if [ "${EMULATE:-1}" = 0 ]; then
 elif ! make --no-print-directory -s BUILD="$BUILD" "$EMU_BIN" >"$work/emu_build.log" 2>&1; then
     bad "build $EMU_BIN" "$(tail -3 "$work/emu_build.log")"
 else
-    EMU=(--steps 6 --device cuda --dtype f32)
+    ES=4 # steps of each emulated run: the emulator runs every CUDA thread as a fiber, about 0.45 s a step here
+    EMU=(--steps $ES --device cuda --dtype f32)
     timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMU[@]}" --log "$work/emu1.jsonl" --routing-record "$work/emu_routes.bin" \
         >"$work/emu1.out" 2>&1; e1=$?
     timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMU[@]}" --nproc 4 --tp 2 --pp 2 --micro-batches 2 --log "$work/emu4.jsonl" \
         --routing-replay "$work/emu_routes.bin" >"$work/emu4.out" 2>&1; e4=$?
-    loss=$( [ $e1 -eq 0 ] && [ $e4 -eq 0 ] && compare_losses emu1 emu4 6)
+    loss=$( [ $e1 -eq 0 ] && [ $e4 -eq 0 ] && compare_losses emu1 emu4 $ES)
     if within "$loss" 1e-5 && grep -q "4 ranks (expert parallel 1), CUDA, f32" "$work/emu4.out"; then
-        ok "tp2 x pp2 on the emulated GPU (nccl backend) matches one emulated GPU over 6 steps within 1e-5 (worst $loss)"
+        ok "tp2 x pp2 on the emulated GPU (nccl backend) matches one emulated GPU over $ES steps within 1e-5 (worst $loss)"
     else
         bad "tp2 x pp2 on the emulated GPU matches one emulated GPU" "exit $e1/$e4, loss $loss" "$(grep -E 'rank|error' "$work/emu4.out" | tail -3)"
     fi
@@ -594,7 +595,7 @@ else
     done
     a=$(fields emuv_interleaved)
     what="--pp-schedule dualpipev as pp2 on the emulated GPU logs interleaved's numbers bit for bit"
-    if [ "$(rc emuv_interleaved)$(rc emuv_dualpipev)" = 00 ] && [ "$(echo "$a" | grep -c '^step')" -eq 6 ] &&
+    if [ "$(rc emuv_interleaved)$(rc emuv_dualpipev)" = 00 ] && [ "$(echo "$a" | grep -c '^step')" -eq $ES ] &&
        [ "$a" = "$(fields emuv_dualpipev)" ] && grep -q "pipeline dualpipev" "$work/emuv_dualpipev.out"; then
         ok "$what"
     else
@@ -602,17 +603,17 @@ else
     fi
     # and in bf16 (nccl's bf16 gathers, scatters and sends, the CUDA cross-entropy on bf16 logits),
     # within twice one emulated GPU's bf16-to-f32 distance as in the CPU cases above
-    EMB=(--steps 6 --device cuda)
+    EMB=(--steps $ES --device cuda)
     timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMB[@]}" --dtype bf16 --log "$work/emub1.jsonl" \
         --routing-record "$work/emub_routes.bin" >"$work/emub1.out" 2>&1; e1=$?
     timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMB[@]}" --dtype f32 --log "$work/emubf.jsonl" \
         --routing-replay "$work/emub_routes.bin" >"$work/emubf.out" 2>&1; ef=$?
     timeout 300 "$EMU_BIN" "${TINY[@]}" "${EMB[@]}" --dtype bf16 --nproc 4 --tp 2 --pp 2 --micro-batches 2 \
         --log "$work/emub4.jsonl" --routing-replay "$work/emub_routes.bin" >"$work/emub4.out" 2>&1; e4=$?
-    d=$( [ $e1 -eq 0 ] && [ $ef -eq 0 ] && loss_rms emub1 emubf 6)
-    loss=$( [ $e1 -eq 0 ] && [ $e4 -eq 0 ] && loss_rms emub1 emub4 6)
+    d=$( [ $e1 -eq 0 ] && [ $ef -eq 0 ] && loss_rms emub1 emubf $ES)
+    loss=$( [ $e1 -eq 0 ] && [ $e4 -eq 0 ] && loss_rms emub1 emub4 $ES)
     bound=$($PYS -c "print('%.3g' % (2 * float('$d')))" 2>/dev/null)
-    what="tp2 x pp2 in bf16 on the emulated GPU matches one emulated GPU in bf16 over 6 steps"
+    what="tp2 x pp2 in bf16 on the emulated GPU matches one emulated GPU in bf16 over $ES steps"
     what="$what within twice its distance from f32"
     if [ -n "$bound" ] && within "$loss" "$bound" &&
        grep -q "4 ranks (expert parallel 1), CUDA, bf16" "$work/emub4.out"; then
@@ -627,8 +628,8 @@ else
         --routing-record "$work/emum_routes.bin" >"$work/emum1.out" 2>&1; e1=$?
     timeout 300 "$EMU_BIN" "${TINY[@]}" "${MLA[@]}" "${EMU[@]}" --nproc 4 --tp 2 --pp 2 --micro-batches 2 \
         --log "$work/emum4.jsonl" --routing-replay "$work/emum_routes.bin" >"$work/emum4.out" 2>&1; e4=$?
-    loss=$( [ $e1 -eq 0 ] && [ $e4 -eq 0 ] && compare_losses emum1 emum4 6)
-    what="--attn mla --mtp 1 as tp2 x pp2 on the emulated GPU matches one emulated GPU over 6 steps within 1e-5"
+    loss=$( [ $e1 -eq 0 ] && [ $e4 -eq 0 ] && compare_losses emum1 emum4 $ES)
+    what="--attn mla --mtp 1 as tp2 x pp2 on the emulated GPU matches one emulated GPU over $ES steps within 1e-5"
     if within "$loss" 1e-5 && grep -q "4 ranks (expert parallel 1), CUDA, f32" "$work/emum4.out"; then
         ok "$what (worst $loss)"
     else
@@ -636,7 +637,7 @@ else
     fi
     # --pair-micro-batches over nccl: each exchange on the layer's own stream while the other micro-batch's
     # kernels run on the compute stream; the unpaired run's numbers bit for bit
-    EPP=(--steps 6 --device cuda --dtype bf16 --nproc 4 --pp 2 --ep 2 --micro-batches 4 --ep-exchange bounded
+    EPP=(--steps $ES --device cuda --dtype bf16 --nproc 4 --pp 2 --ep 2 --micro-batches 4 --ep-exchange bounded
          --ep-overlap on)
     timeout 300 "$EMU_BIN" "${TINY[@]}" "${EPP[@]}" --log "$work/pair_emu_0.jsonl" >"$work/pair_emu_0.out" 2>&1; e1=$?
     timeout 300 "$EMU_BIN" "${TINY[@]}" "${EPP[@]}" --pair-micro-batches --log "$work/pair_emu_1.jsonl" \
@@ -645,7 +646,7 @@ else
     n=$(paired pair_emu_1)
     what="--pair-micro-batches as pp2 x ep2 in bf16 on the emulated GPU (nccl, bounded exchange on the layer's stream)"
     what="$what logs the unpaired run's numbers bit for bit ($n exchanges paired)"
-    if [ "$e1$e4" = 00 ] && [ "$(echo "$a" | grep -c '^step')" -eq 6 ] && [ "$a" = "$(fields pair_emu_1)" ] &&
+    if [ "$e1$e4" = 00 ] && [ "$(echo "$a" | grep -c '^step')" -eq $ES ] && [ "$a" = "$(fields pair_emu_1)" ] &&
        [ "${n:-0}" -gt 0 ] && grep -q "4 ranks (expert parallel 2), CUDA, bf16" "$work/pair_emu_1.out"; then
         ok "$what"
     else
