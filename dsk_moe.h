@@ -4381,9 +4381,7 @@ static dsk_status dsk__moe_swiglu_grad(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dh1
                             DSK__MOE_F32(*dh1), DSK__MOE_F32(*dh3));
         return DSK_OK;
     }
-    DSK__TRY(dsk_tensor_fill(ctx, dh1, 0.0));
-    DSK__TRY(dsk_tensor_fill(ctx, dh3, 0.0));
-    return dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3);
+    return dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3, DSK_GRAD_WRITE);
 }
 
 /* Backward of rank r's chunk: the per-row part of the experts' backward on r's rows of the stage (their output

@@ -13,7 +13,8 @@
    Errors: every function that can fail returns a dsk_status; dsk_last_error() then holds a
    thread-local message naming the function, the object and the values.
    Layout: tensors are row-major with element strides; shapes in comments are (T, D) style.
-   Backward functions accumulate (+=) into their gradient outputs.
+   Backward functions accumulate (+=) into their gradient outputs; those whose outputs are activation
+   gradients, formed once per step (attention, RoPE, SwiGLU), may write them instead (dsk_grad_store).
    License: MIT, see the end of the file.
 
    One step of a linear layer y = x w^T with AdamW (after a failed call s holds its status, the
@@ -748,12 +749,20 @@ DSK_API dsk_status dsk_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, co
 DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw, const dsk_tensor *dy,
                                         const dsk_tensor *x, const dsk_tensor *w, const dsk_tensor *rstd);
 
+/* How a backward function stores its gradient outputs (the last argument of dsk_swiglu_backward,
+   dsk_rope_backward, dsk_attention_backward and dsk_attention_fused_backward):
+     DSK_GRAD_ADD    added to what the outputs hold (a tensor's gradients from several uses sum there);
+     DSK_GRAD_WRITE  written over them: they are not read, so they need no clearing first (NaN there is
+                     not carried) and an activation gradient costs one pass less.
+   Either gives the values DSK_GRAD_ADD gives into zeros (a zero's sign aside: -0 + +0 is +0). */
+typedef enum dsk_grad_store { DSK_GRAD_ADD = 0, DSK_GRAD_WRITE = 1 } dsk_grad_store;
+
 /* SiLU y = x * sigmoid(x); SwiGLU out = silu(gate) * up. */
 DSK_API dsk_status dsk_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x);
 DSK_API dsk_status dsk_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, const dsk_tensor *x);
 DSK_API dsk_status dsk_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *gate, const dsk_tensor *up);
 DSK_API dsk_status dsk_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tensor *dup, const dsk_tensor *dout,
-                                       const dsk_tensor *gate, const dsk_tensor *up);
+                                       const dsk_tensor *gate, const dsk_tensor *up, dsk_grad_store store);
 
 /* Embedding: out (..., D) = table (V, D) rows at ids (...) i32. Backward: dtable[ids[t]] += dout[t],
    in token order (deterministic, no float atomics). Ids out of range are an error. */
@@ -778,19 +787,21 @@ DSK_API dsk_status dsk_topk(dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *indice
 
 /* Rotary position embedding on x (B, T, H, Dh), Dh even, pairs (2i, 2i+1) rotated by
    angle (pos0 + t) * theta^(-2i/Dh) (dsk_rope_angle, dsk_rope_rotate); y may alias x.
-   Backward rotates dy by the negative angle and accumulates into dx. */
+   Backward rotates dy by the negative angle into dx (added or written: store). */
 DSK_API dsk_status dsk_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta);
-DSK_API dsk_status dsk_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta);
+DSK_API dsk_status dsk_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta,
+                                     dsk_grad_store store);
 
 /* Causal self-attention with q, k, v, out (B, T, H, Dh): probs (B, H, T, T) f32 is written
    (saved for backward; entries above the diagonal are 0); out = softmax(scale q k^T + mask) v.
-   Backward accumulates dq, dk, dv. CPU: f32 GEMMs per (b, h) (bf16/f16 converted to f32, results
+   Backward adds to or writes dq, dk, dv (store). CPU: f32 GEMMs per (b, h) (bf16/f16 converted to f32, results
    rounded once), softmax in f32; the same bits for any ctx->n_threads. */
 DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q,
                                  const dsk_tensor *k, const dsk_tensor *v, float scale);
 DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
                                           const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
-                                          const dsk_tensor *v, const dsk_tensor *probs, float scale);
+                                          const dsk_tensor *v, const dsk_tensor *probs, float scale,
+                                          dsk_grad_store store);
 
 /* ------------------------------------------------------------------ grouped rows
    Building blocks of Mixture-of-Experts layers (dsk_moe.h), usable for any computation on rows
@@ -927,12 +938,13 @@ static inline DSK_HD float dsk_attn_dscore(float p, float dp, float d) { return 
 /* Forward: out and (unless NULL) lse written. */
 DSK_API dsk_status dsk_attention_fused(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *lse, const dsk_tensor *q,
                                        const dsk_tensor *k, const dsk_tensor *v, float scale);
-/* Backward from forward's out and lse: dq (like q), dk (like k), dv (like v) accumulate (+=)
-   the gradients of out given dout (like out), each rounded once into its dtype. */
+/* Backward from forward's out and lse: dq (like q), dk (like k), dv (like v) take the gradients
+   of out given dout (like out), each rounded once into its dtype: added, or written (store: the
+   kernels sum over tiles into the outputs, so DSK_GRAD_WRITE clears them first, with no gain). */
 DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
                                                 const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
                                                 const dsk_tensor *v, const dsk_tensor *out, const dsk_tensor *lse,
-                                                float scale);
+                                                float scale, dsk_grad_store store);
 
 /* ------------------------------------------------------------------ FP8 GEMM
    Block-scaled FP8 products in DeepSeek-V3's recipe (technical report, section 3.3). Operands
@@ -1093,7 +1105,7 @@ dsk_status dsk_cuda_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x);
 dsk_status dsk_cuda_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, const dsk_tensor *x);
 dsk_status dsk_cuda_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *gate, const dsk_tensor *up);
 dsk_status dsk_cuda_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tensor *dup, const dsk_tensor *dout,
-                                    const dsk_tensor *gate, const dsk_tensor *up);
+                                    const dsk_tensor *gate, const dsk_tensor *up, int add);
 dsk_status dsk_cuda_embedding(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *table, const dsk_tensor *ids);
 dsk_status dsk_cuda_embedding_backward(dsk_ctx *ctx, dsk_tensor *dtable, const dsk_tensor *dout, const dsk_tensor *ids);
 dsk_status dsk_cuda_cross_entropy(dsk_ctx *ctx, dsk_tensor *loss, dsk_tensor *dlogits, const dsk_tensor *logits,
@@ -1102,12 +1114,13 @@ dsk_status dsk_cuda_gather_rows(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor 
 dsk_status dsk_cuda_scatter_add_rows(dsk_ctx *ctx, dsk_tensor *dst, const dsk_tensor *src, const dsk_tensor *idx);
 dsk_status dsk_cuda_topk(dsk_ctx *ctx, dsk_tensor *values, dsk_tensor *indices, const dsk_tensor *x, int k);
 dsk_status dsk_cuda_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta);
-dsk_status dsk_cuda_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta);
+dsk_status dsk_cuda_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta,
+                                  int add);
 dsk_status dsk_cuda_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *probs, const dsk_tensor *q,
                               const dsk_tensor *k, const dsk_tensor *v, float scale);
 dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
                                        const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
-                                       const dsk_tensor *v, const dsk_tensor *probs, float scale);
+                                       const dsk_tensor *v, const dsk_tensor *probs, float scale, int add);
 dsk_status dsk_cuda_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_tensor *grad, dsk_tensor *m, dsk_tensor *v,
                                const dsk_adamw_opts *opts, int64_t step, float grad_mult, dsk_tensor *param_copy);
 
@@ -1850,6 +1863,14 @@ static dsk_status dsk__need_contig(const char *fn, const char *what, const dsk_t
     DSK__TRY(dsk__need(fn, what, t));
     if (!dsk_tensor_is_contiguous(t))
         return dsk_set_error(DSK_ERR_ARG, "%s: %s %s is not contiguous", fn, what, dsk_tensor_describe(t, b, sizeof b));
+    return DSK_OK;
+}
+
+/* A dsk_grad_store value. */
+static dsk_status dsk__need_store(const char *fn, dsk_grad_store store) {
+    if (store != DSK_GRAD_ADD && store != DSK_GRAD_WRITE)
+        return dsk_set_error(DSK_ERR_ARG, "%s: store %d is neither DSK_GRAD_ADD (0) nor DSK_GRAD_WRITE (1)", fn,
+                             (int)store);
     return DSK_OK;
 }
 
@@ -3435,9 +3456,9 @@ static dsk_status dsk__need_all_like(const char *fn, dsk_ctx *ctx, int n, const 
 typedef enum dsk__act_op { DSK__ACT_SILU, DSK__ACT_SILU_BWD, DSK__ACT_SWIGLU, DSK__ACT_SWIGLU_BWD } dsk__act_op;
 
 /* o0 (and o1) = op(a, b, c): silu(a); dx o0 += a silu'(b); swiglu(gate a, up b); dgate o0, dup o1
-   += the SwiGLU gradients for gate a, up b, dout c. */
-static void dsk__act(dsk_ctx *ctx, dsk__act_op op, dsk_tensor *o0, dsk_tensor *o1, const dsk_tensor *a, const dsk_tensor *b,
-                     const dsk_tensor *c) {
+   (+)= the SwiGLU gradients for gate a, up b, dout c (added when acc, else written). */
+static void dsk__act(dsk_ctx *ctx, dsk__act_op op, int acc, dsk_tensor *o0, dsk_tensor *o1, const dsk_tensor *a,
+                     const dsk_tensor *b, const dsk_tensor *c) {
     int64_t n = dsk_tensor_numel(a), n_chunks = (n + DSK__EW_CHUNK - 1) / DSK__EW_CHUNK;
     dsk__rowk rk = dsk__rowk_ctx(ctx);
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (n > DSK__PAR_MIN))
@@ -3446,16 +3467,15 @@ static void dsk__act(dsk_ctx *ctx, dsk__act_op op, dsk_tensor *o0, dsk_tensor *o
         int64_t off = ch * DSK__EW_CHUNK, len = n - off < DSK__EW_CHUNK ? n - off : DSK__EW_CHUNK;
         const float *pa = dsk__row_in(a, off, len, ba), *pb = b ? dsk__row_in(b, off, len, bb) : NULL;
         const float *pc = c ? dsk__row_in(c, off, len, bc) : NULL;
-        int acc = op == DSK__ACT_SILU_BWD || op == DSK__ACT_SWIGLU_BWD;
-        float *p0 = acc ? dsk__row_acc(o0, off, len, b0) : dsk__row_out(o0, off, b0), *p1 = o1 ? dsk__row_acc(o1, off, len, b1) : NULL;
+        float *p0 = acc ? dsk__row_acc(o0, off, len, b0) : dsk__row_out(o0, off, b0);
+        float *p1 = !o1 ? NULL : acc ? dsk__row_acc(o1, off, len, b1) : dsk__row_out(o1, off, b1);
         if (op == DSK__ACT_SILU)
             for (int64_t i = 0; i < len; i++) p0[i] = dsk_silu_f(pa[i]);
         else if (op == DSK__ACT_SILU_BWD) /* a = dy, b = x */
             for (int64_t i = 0; i < len; i++) p0[i] += pa[i] * dsk_silu_grad_f(pb[i]);
         else if (op == DSK__ACT_SWIGLU) /* a = gate, b = up */
             rk.swiglu(p0, pa, pb, len);
-        else /* a = gate, b = up, c = dout */
-            rk.swiglu_bwd(p0, p1, pc, pa, pb, len, 1);
+        else rk.swiglu_bwd(p0, p1, pc, pa, pb, len, acc); /* a = gate, b = up, c = dout */
         dsk__row_out_done(o0, off, len, p0);
         if (o1) dsk__row_out_done(o1, off, len, p1);
     }
@@ -3467,7 +3487,7 @@ DSK_API dsk_status dsk_silu(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x) {
     const char *names[2] = {"y", "x"};
     DSK__TRY(dsk__need_all_like("dsk_silu", ctx, 2, ts, names, &cuda));
     DSK__CUDA_PATH(cuda, dsk_cuda_silu(ctx, y, x));
-    dsk__act(ctx, DSK__ACT_SILU, y, NULL, x, NULL, NULL);
+    dsk__act(ctx, DSK__ACT_SILU, 0, y, NULL, x, NULL, NULL);
     return DSK_OK;
 }
 
@@ -3477,7 +3497,7 @@ DSK_API dsk_status dsk_silu_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_ten
     const char *names[3] = {"dx", "dy", "x"};
     DSK__TRY(dsk__need_all_like("dsk_silu_backward", ctx, 3, ts, names, &cuda));
     DSK__CUDA_PATH(cuda, dsk_cuda_silu_backward(ctx, dx, dy, x));
-    dsk__act(ctx, DSK__ACT_SILU_BWD, dx, NULL, dy, x, NULL);
+    dsk__act(ctx, DSK__ACT_SILU_BWD, 1, dx, NULL, dy, x, NULL);
     return DSK_OK;
 }
 
@@ -3487,18 +3507,19 @@ DSK_API dsk_status dsk_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_tensor *g
     const char *names[3] = {"out", "gate", "up"};
     DSK__TRY(dsk__need_all_like("dsk_swiglu", ctx, 3, ts, names, &cuda));
     DSK__CUDA_PATH(cuda, dsk_cuda_swiglu(ctx, out, gate, up));
-    dsk__act(ctx, DSK__ACT_SWIGLU, out, NULL, gate, up, NULL);
+    dsk__act(ctx, DSK__ACT_SWIGLU, 0, out, NULL, gate, up, NULL);
     return DSK_OK;
 }
 
-DSK_API dsk_status dsk_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tensor *dup, const dsk_tensor *dout, const dsk_tensor *gate,
-                                       const dsk_tensor *up) {
+DSK_API dsk_status dsk_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tensor *dup, const dsk_tensor *dout,
+                                       const dsk_tensor *gate, const dsk_tensor *up, dsk_grad_store store) {
     int cuda = 0;
     const dsk_tensor *ts[5] = {dgate, dup, dout, gate, up};
     const char *names[5] = {"dgate", "dup", "dout", "gate", "up"};
     DSK__TRY(dsk__need_all_like("dsk_swiglu_backward", ctx, 5, ts, names, &cuda));
-    DSK__CUDA_PATH(cuda, dsk_cuda_swiglu_backward(ctx, dgate, dup, dout, gate, up));
-    dsk__act(ctx, DSK__ACT_SWIGLU_BWD, dgate, dup, gate, up, dout);
+    DSK__TRY(dsk__need_store("dsk_swiglu_backward", store));
+    DSK__CUDA_PATH(cuda, dsk_cuda_swiglu_backward(ctx, dgate, dup, dout, gate, up, store == DSK_GRAD_ADD));
+    dsk__act(ctx, DSK__ACT_SWIGLU_BWD, store == DSK_GRAD_ADD, dgate, dup, gate, up, dout);
     return DSK_OK;
 }
 
@@ -3792,11 +3813,13 @@ DSK_API dsk_status dsk_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, in
     return dsk__rope_cpu("dsk_rope", ctx, y, x, pos0, theta, 1.0f, 0);
 }
 
-DSK_API dsk_status dsk_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta) {
+DSK_API dsk_status dsk_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0, float theta,
+                                     dsk_grad_store store) {
     int cuda = 0;
     DSK__TRY(dsk__rope_check("dsk_rope_backward", ctx, "dx", dx, "dy", dy, theta, &cuda));
-    DSK__CUDA_PATH(cuda, dsk_cuda_rope_backward(ctx, dx, dy, pos0, theta));
-    return dsk__rope_cpu("dsk_rope_backward", ctx, dx, dy, pos0, theta, -1.0f, 1);
+    DSK__TRY(dsk__need_store("dsk_rope_backward", store));
+    DSK__CUDA_PATH(cuda, dsk_cuda_rope_backward(ctx, dx, dy, pos0, theta, store == DSK_GRAD_ADD));
+    return dsk__rope_cpu("dsk_rope_backward", ctx, dx, dy, pos0, theta, -1.0f, store == DSK_GRAD_ADD);
 }
 
 /* q, k, v (and `o`) (B, T, H, Dh) alike; probs (B, H, T, T) f32. */
@@ -3909,8 +3932,10 @@ DSK_API dsk_status dsk_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tensor *prob
     return DSK_OK;
 }
 
-DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout,
-                                          const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, const dsk_tensor *probs, float scale) {
+DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
+                                          const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
+                                          const dsk_tensor *v, const dsk_tensor *probs, float scale,
+                                          dsk_grad_store store) {
     const char *fn = "dsk_attention_backward";
     int cuda, half;
     int64_t B, T, H, Dh, per, RB;
@@ -3927,22 +3952,26 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
     DSK__TRY(dsk__need_like(fn, "dk", dk, "q", q));
     DSK__TRY(dsk__need_float(fn, "dv", dv));
     DSK__TRY(dsk__need_like(fn, "dv", dv, "q", q));
+    DSK__TRY(dsk__need_store(fn, store));
     DSK__TRY(dsk__need_devices(fn, ctx, 8, ts, names, &cuda));
-    DSK__CUDA_PATH(cuda, dsk_cuda_attention_backward(ctx, dq, dk, dv, dout, q, k, v, probs, scale));
+    DSK__CUDA_PATH(cuda,
+                   dsk_cuda_attention_backward(ctx, dq, dk, dv, dout, q, k, v, probs, scale, store == DSK_GRAD_ADD));
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2]; Dh = q->shape[3];
     half = q->dtype != DSK_F32;
     RB = 2 * uk.mr;
     /* dS (T x T), V^T, GEMM scratch; bf16/f16 add f32 copies of q, k, v, dout and the gradients gq, gk, gv */
     per = T * T + Dh * T + dsk__attn_ws(&uk, T) + (half ? 7 * T * Dh : 0);
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
-    /* Each (b, h) owns its slices of dq, dk, dv. f32: the GEMMs accumulate into them (beta 1);
-       bf16/f16: the gradient is formed in f32 and added once, rounding once. Causal structure:
-       row i of dP, dS and dQ needs columns j <= i; row j of dK and dV needs rows i >= j of dS, P. */
+    /* Each (b, h) owns its slices of dq, dk, dv. f32: the GEMMs add into them (beta 1) or write
+       them (beta 0); bf16/f16: the gradient is formed in f32 and added or stored once, rounding
+       once. Causal structure: row i of dP, dS and dQ needs columns j <= i; row j of dK and dV
+       needs rows i >= j of dS, P. */
     DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (B * H * T * T * Dh > DSK__PAR_MIN))
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H, ldq, ldk, ldv, ldo, ldg = half ? Dh : H * Dh, base = (b * T * H + h) * Dh;
         float *dS = scratch + per * dsk__thread_id(), *Vt = dS + T * T, *ws = Vt + Dh * T, *sc = ws + dsk__attn_ws(&uk, T);
-        float beta = half ? 0.0f : 1.0f;
+        int add = store == DSK_GRAD_ADD;
+        float beta = half || !add ? 0.0f : 1.0f;
         const float *P = (const float *)probs->data + bh * T * T;
         const float *Q = dsk__attn_in(q, b, h, sc, &ldq), *K = dsk__attn_in(k, b, h, sc + T * Dh, &ldk);
         const float *V = dsk__attn_in(v, b, h, sc + 2 * T * Dh, &ldv), *dO = dsk__attn_in(dout, b, h, sc + 3 * T * Dh, &ldo);
@@ -3970,9 +3999,12 @@ DSK_API dsk_status dsk_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tens
             for (int64_t t = 0; t < T; t++)
                 for (int64_t d = 0; d < Dh; d++) {
                     int64_t o = base + t * H * Dh + d;
-                    dsk_store_f32(dq->data, dq->dtype, o, dsk_load_f32(dq->data, dq->dtype, o) + gq[t * Dh + d]);
-                    dsk_store_f32(dk->data, dk->dtype, o, dsk_load_f32(dk->data, dk->dtype, o) + gk[t * Dh + d]);
-                    dsk_store_f32(dv->data, dv->dtype, o, dsk_load_f32(dv->data, dv->dtype, o) + gv[t * Dh + d]);
+                    dsk_store_f32(dq->data, dq->dtype, o,
+                                  add ? dsk_load_f32(dq->data, dq->dtype, o) + gq[t * Dh + d] : gq[t * Dh + d]);
+                    dsk_store_f32(dk->data, dk->dtype, o,
+                                  add ? dsk_load_f32(dk->data, dk->dtype, o) + gk[t * Dh + d] : gk[t * Dh + d]);
+                    dsk_store_f32(dv->data, dv->dtype, o,
+                                  add ? dsk_load_f32(dv->data, dv->dtype, o) + gv[t * Dh + d] : gv[t * Dh + d]);
                 }
     }
     DSK_FREE(scratch);
@@ -4308,9 +4340,7 @@ DSK_API dsk_status dsk_swiglu_grouped_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk
     if (cuda || x->dtype != DSK_F32 || dw1->dtype != DSK_F32 || dw2->dtype != DSK_F32 || dw3->dtype != DSK_F32) {
         DSK__TRY(dsk_matmul_grouped(ctx, da, dout, 0, w2, 0, offsets, 1.0f, 0.0f));
         DSK__TRY(dsk_matmul_grouped(ctx, dw2, dout, 1, a, 0, offsets, 1.0f, 1.0f));
-        DSK__TRY(dsk_tensor_fill(ctx, dh1, 0.0));
-        DSK__TRY(dsk_tensor_fill(ctx, dh3, 0.0));
-        DSK__TRY(dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3));
+        DSK__TRY(dsk_swiglu_backward(ctx, dh1, dh3, da, h1, h3, DSK_GRAD_WRITE));
         DSK__TRY(dsk_matmul_grouped(ctx, dx, dh1, 0, w1, 0, offsets, 1.0f, 0.0f));
         DSK__TRY(dsk_matmul_grouped(ctx, dx, dh3, 0, w3, 0, offsets, 1.0f, 1.0f));
         DSK__TRY(dsk_matmul_grouped(ctx, dw1, dh1, 1, x, 0, offsets, 1.0f, 1.0f));
@@ -4888,9 +4918,10 @@ static void dsk__fa_drow(int nthreads, const dsk__rowk *rk, float *drow, const d
     }
 }
 
-DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout,
-                                                const dsk_tensor *q, const dsk_tensor *k, const dsk_tensor *v, const dsk_tensor *out,
-                                                const dsk_tensor *lse, float scale) {
+DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
+                                                const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
+                                                const dsk_tensor *v, const dsk_tensor *out, const dsk_tensor *lse,
+                                                float scale, dsk_grad_store store) {
     const char *fn = "dsk_attention_fused_backward";
     int cuda, nthreads, one_pass;
     int64_t B, T, H, nt, per;
@@ -4908,7 +4939,13 @@ DSK_API dsk_status dsk_attention_fused_backward(dsk_ctx *ctx, dsk_tensor *dq, ds
     DSK__TRY(dsk__need_same_shape(fn, "dk", dk, "k", k));
     DSK__TRY(dsk__fa_need4(fn, "dv", dv, q));
     DSK__TRY(dsk__need_same_shape(fn, "dv", dv, "v", v));
+    DSK__TRY(dsk__need_store(fn, store));
     DSK__TRY(dsk__need_devices(fn, ctx, 9, ts, names, &cuda));
+    if (store == DSK_GRAD_WRITE) { /* the kernels add each tile's part into the outputs */
+        DSK__TRY(dsk_tensor_fill(ctx, dq, 0.0));
+        DSK__TRY(dsk_tensor_fill(ctx, dk, 0.0));
+        DSK__TRY(dsk_tensor_fill(ctx, dv, 0.0));
+    }
     DSK__CUDA_PATH(cuda, dsk_cuda_attention_fused_backward(ctx, dq, dk, dv, dout, q, k, v, out, lse, scale));
     B = q->shape[0]; T = q->shape[1]; H = q->shape[2];
     if (B * H * T == 0) return DSK_OK;

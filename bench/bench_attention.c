@@ -58,8 +58,12 @@ static void run_fwd(dsk_ctx *ctx, bench_set *s, int fused, float scale) {
     else BENCH_CHECK(dsk_attention(ctx, &s->out, &s->probs, &s->q, &s->k, &s->v, scale));
 }
 static void run_bwd(dsk_ctx *ctx, bench_set *s, int fused, float scale) {
-    if (fused) BENCH_CHECK(dsk_attention_fused_backward(ctx, &s->dq, &s->dk, &s->dv, &s->dout, &s->q, &s->k, &s->v, &s->out, &s->lse, scale));
-    else BENCH_CHECK(dsk_attention_backward(ctx, &s->dq, &s->dk, &s->dv, &s->dout, &s->q, &s->k, &s->v, &s->probs, scale));
+    if (fused)
+        BENCH_CHECK(dsk_attention_fused_backward(ctx, &s->dq, &s->dk, &s->dv, &s->dout, &s->q, &s->k, &s->v, &s->out,
+                                                 &s->lse, scale, DSK_GRAD_ADD));
+    else
+        BENCH_CHECK(dsk_attention_backward(ctx, &s->dq, &s->dk, &s->dv, &s->dout, &s->q, &s->k, &s->v, &s->probs, scale,
+                                           DSK_GRAD_ADD));
 }
 
 /* Median seconds of forward (*fwd) and backward (*bwd) over r repeats after a warm-up. */

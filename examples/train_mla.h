@@ -238,7 +238,7 @@ static float tmla_yarn_freq(const tmla_config *a, float base, int i) {
 }
 
 /* y (nb, T, Hx, rope) = rope(x) (inverse 0; y may alias x) or the backward rotation of x
-   (inverse 1; y overwritten: callers zero it anyway). Plain RoPE is one dsk_rope call; under
+   (inverse 1; y written). Plain RoPE is one dsk_rope call; under
    YaRN each pair i turns at its own frequency f_i: it is copied into the second pair of a
    four-dim scratch head, which dsk_rope turns at theta_i^(-2/4) = f_i, and copied back. */
 static dsk_status tmla_rotate(tm_model *m, dsk_tensor *y, const dsk_tensor *x, int inverse) {
@@ -246,8 +246,7 @@ static dsk_status tmla_rotate(tm_model *m, dsk_tensor *y, const dsk_tensor *x, i
     tmla_model *s = &m->mla;
     if (!c->mla.yarn) {
         if (!inverse) return dsk_rope(m->ctx, y, x, 0, c->rope_theta);
-        TM_TRY(tm_zero(m, y));
-        return dsk_rope_backward(m->ctx, y, x, 0, c->rope_theta);
+        return dsk_rope_backward(m->ctx, y, x, 0, c->rope_theta, DSK_GRAD_WRITE);
     }
     int64_t sh[4] = {x->shape[0], x->shape[1], x->shape[2], 4}, n = sh[0] * sh[1] * sh[2] * 4;
     int64_t all = dsk_tensor_numel(&s->ry_in);
@@ -263,8 +262,7 @@ static dsk_status tmla_rotate(tm_model *m, dsk_tensor *y, const dsk_tensor *x, i
         dsk_tensor xp = tmla_cols(x, 2 * i, 2), yp = tmla_cols(y, 2 * i, 2);
         TM_TRY(dsk_tensor_copy(m->ctx, &in2, &xp));
         if (inverse) {
-            TM_TRY(tm_zero(m, &out));
-            TM_TRY(dsk_rope_backward(m->ctx, &out, &in, 0, s->ry_theta[i]));
+            TM_TRY(dsk_rope_backward(m->ctx, &out, &in, 0, s->ry_theta[i], DSK_GRAD_WRITE));
         } else {
             TM_TRY(dsk_rope(m->ctx, &out, &in, 0, s->ry_theta[i]));
         }
@@ -660,8 +658,8 @@ static dsk_status tmla_latent_backward(tm_model *m, tm_block *b, int nb, const d
     dsk_tensor att4 = tmla_heads(m, &p->att, nb, H, dv), datt4 = tmla_heads(m, &s->datt, nb, H, dv);
     dsk_tensor dq4 = tmla_heads(m, &s->dq, nb, H, dqk), dk4 = tmla_heads(m, &s->dk, nb, H, dqk);
     dsk_tensor dkvb4 = tmla_heads(m, &s->dkvb, nb, H, dn + dv), dv4 = tmla_cols(&dkvb4, dn, dv);
-    TM_T(TM_PH_ATTN,
-         dsk_attention_fused_backward(m->ctx, &dq4, &dk4, &dv4, &datt4, &q4, &k4, &v4, &att4, &p->lse, tmla_scale(c)));
+    TM_T(TM_PH_ATTN, dsk_attention_fused_backward(m->ctx, &dq4, &dk4, &dv4, &datt4, &q4, &k4, &v4, &att4, &p->lse,
+                                                  tmla_scale(c), DSK_GRAD_ADD));
     /* k_nope's gradient goes to its place in Wkv_b's output */
     dsk_tensor dkn = tmla_cols(&dkvb4, 0, dn), dkn_src = tmla_cols(&dk4, 0, dn);
     TM_T(TM_PH_MOVE, dsk_tensor_copy(m->ctx, &dkn, &dkn_src));

@@ -719,9 +719,7 @@ static dsk_status tm_dense_backward(tm_model *m, tm_block *b) {
     dsk_tensor *dy2[1] = {&m->dx}, *dy13[2] = {&m->dg, &m->du};
     /* dW2 (D,F) += dy^T a, da (N,F) = dy (N,D) W2 (D,F) */
     TM_TRY(tm_linear_backward(m, TM_PH_FFN, 1, w2, dy2, &b->a, &b->f8_a, &m->da));
-    TM_T(TM_PH_MOVE, tm_zero(m, &m->dg));
-    TM_T(TM_PH_MOVE, tm_zero(m, &m->du));
-    TM_T(TM_PH_FFN, dsk_swiglu_backward(m->ctx, &m->dg, &m->du, &m->da, &b->g, &b->u));
+    TM_T(TM_PH_FFN, dsk_swiglu_backward(m->ctx, &m->dg, &m->du, &m->da, &b->g, &b->u, DSK_GRAD_WRITE));
     /* dW1 (F,D) += dg^T h2, dW3 likewise; dh2 = dg W1 + du W3 */
     return tm_linear_backward(m, TM_PH_FFN, 2, w13, dy13, &b->h2, &b->f8_h2, &m->dh);
 }
@@ -735,20 +733,16 @@ static dsk_status tm_attn_backward(tm_model *m, tm_block *b) {
     tm_param *wo[1] = {b->wo}, *wqkv[3] = {b->wq, b->wk, b->wv};
     dsk_tensor *dyo[1] = {&m->dx}, *dyqkv[3] = {&m->dq, &m->dk, &m->dv};
     TM_TRY(tm_linear_backward(m, TM_PH_LINEAR, 1, wo, dyo, &b->att, &b->f8_att, &m->datt)); /* dWo += dx2^T att */
-    /* dQ, dK, dV of the causal attention (accumulated: cleared first) */
+    /* dQ, dK, dV of the causal attention, written */
     float scale = 1.0f / sqrtf((float)(c->d_model / c->n_heads));
     dsk_tensor qr4 = tm_heads(m, &b->qr, nb), kr4 = tm_heads(m, &b->kr, nb), v4 = tm_heads(m, &b->v, nb);
     dsk_tensor do4 = tm_heads(m, &m->datt, nb), dv4 = tm_heads(m, &m->dv, nb);
-    TM_T(TM_PH_MOVE, tm_zero(m, &m->dqr));
-    TM_T(TM_PH_MOVE, tm_zero(m, &m->dkr));
-    TM_T(TM_PH_MOVE, tm_zero(m, &m->dv));
     dsk_tensor dqr4 = tm_heads(m, &m->dqr, nb), dkr4 = tm_heads(m, &m->dkr, nb);
-    TM_T(TM_PH_ATTN, dsk_attention_backward(m->ctx, &dqr4, &dkr4, &dv4, &do4, &qr4, &kr4, &v4, &b->probs, scale));
-    TM_T(TM_PH_MOVE, tm_zero(m, &m->dq));
-    TM_T(TM_PH_MOVE, tm_zero(m, &m->dk));
+    TM_T(TM_PH_ATTN,
+         dsk_attention_backward(m->ctx, &dqr4, &dkr4, &dv4, &do4, &qr4, &kr4, &v4, &b->probs, scale, DSK_GRAD_WRITE));
     dsk_tensor dq4 = tm_heads(m, &m->dq, nb), dk4 = tm_heads(m, &m->dk, nb);
-    TM_T(TM_PH_ROPE, dsk_rope_backward(m->ctx, &dq4, &dqr4, 0, c->rope_theta));
-    TM_T(TM_PH_ROPE, dsk_rope_backward(m->ctx, &dk4, &dkr4, 0, c->rope_theta));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(m->ctx, &dq4, &dqr4, 0, c->rope_theta, DSK_GRAD_WRITE));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(m->ctx, &dk4, &dkr4, 0, c->rope_theta, DSK_GRAD_WRITE));
     /* dWq (D,D) += dq^T h1, dWk, dWv likewise; dh1 = dq Wq + dk Wk + dv Wv */
     TM_TRY(tm_linear_backward(m, TM_PH_LINEAR, 3, wqkv, dyqkv, &b->h1, &b->f8_h1, &m->dh));
     TM_T(TM_PH_NORM, dsk_rmsnorm_backward(m->ctx, &m->dx, tm_grad(b->ln1), &m->dh, &b->x, &b->ln1->wc, &b->rstd1));

@@ -723,12 +723,12 @@ __global__ void dsk__k_swiglu(void *out, dsk_dtype dto, const void *gate, dsk_dt
 }
 __global__ void dsk__k_swiglu_bwd(void *dgate, dsk_dtype dtdg, void *dup, dsk_dtype dtdu, const void *dout,
                                   dsk_dtype dtdo, const void *gate, dsk_dtype dtg, const void *up, dsk_dtype dtu,
-                                  int64_t n) {
+                                  int64_t n, int add) {
     DSK__CUDA_FOR(i, n) {
         float dg, du;
         dsk_swiglu_grad_f(dsk_load_f32(gate, dtg, i), dsk_load_f32(up, dtu, i), dsk_load_f32(dout, dtdo, i), &dg, &du);
-        if (dgate) dsk_store_f32(dgate, dtdg, i, dsk_load_f32(dgate, dtdg, i) + dg);
-        if (dup) dsk_store_f32(dup, dtdu, i, dsk_load_f32(dup, dtdu, i) + du);
+        if (dgate) dsk_store_f32(dgate, dtdg, i, add ? dsk_load_f32(dgate, dtdg, i) + dg : dg);
+        if (dup) dsk_store_f32(dup, dtdu, i, add ? dsk_load_f32(dup, dtdu, i) + du : du);
     }
 }
 
@@ -763,7 +763,7 @@ extern "C" dsk_status dsk_cuda_swiglu(dsk_ctx *ctx, dsk_tensor *out, const dsk_t
 }
 
 extern "C" dsk_status dsk_cuda_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tensor *dup, const dsk_tensor *dout,
-                                               const dsk_tensor *gate, const dsk_tensor *up) {
+                                               const dsk_tensor *gate, const dsk_tensor *up, int add) {
     static const char *fn = "dsk_swiglu_backward";
     int64_t n = dsk_tensor_numel(gate);
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
@@ -771,7 +771,7 @@ extern "C" dsk_status dsk_cuda_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, 
     DSK__CUDA_LAUNCH(fn, dsk__k_swiglu_bwd, dsk__cuda_grid(n), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), n,
                      dgate ? dgate->data : NULL, dgate ? dgate->dtype : DSK_F32, dup ? dup->data : NULL,
                      dup ? dup->dtype : DSK_F32, dout->data, dout->dtype, gate->data, gate->dtype, up->data, up->dtype,
-                     n);
+                     n, add);
     return DSK_OK;
 }
 
@@ -1358,20 +1358,19 @@ extern "C" dsk_status dsk_cuda_topk(dsk_ctx *ctx, dsk_tensor *values, dsk_tensor
 
 /* ======================================================================= RoPE */
 
-/* A thread per pair (b, t, h, i) of x (B, T, H, Dh); sign -1 rotates backward and adds into y. */
+/* A thread per pair (b, t, h, i) of x (B, T, H, Dh); backward rotates by the negative angle, and
+   adds into y when add. */
 __global__ void dsk__k_rope(void *y, dsk_dtype dty, const void *x, dsk_dtype dtx, int64_t T, int64_t H, int64_t Dh,
-                            int64_t pos0, float theta, int64_t npairs, int backward) {
+                            int64_t pos0, float theta, int64_t npairs, int backward, int add) {
     const int64_t half = Dh / 2;
     DSK__CUDA_FOR(e, npairs) {
         int64_t i = e % half, t = (e / (half * H)) % T, o = 2 * e;
         float a = dsk_rope_angle(pos0 + t, i, Dh, theta), c = cosf(a), s = sinf(a), y0, y1;
         float x0 = dsk_load_f32(x, dtx, o), x1 = dsk_load_f32(x, dtx, o + 1);
-        if (backward) {
-            dsk_rope_rotate(x0, x1, c, -s, &y0, &y1);
+        dsk_rope_rotate(x0, x1, c, backward ? -s : s, &y0, &y1);
+        if (add) {
             y0 += dsk_load_f32(y, dty, o);
             y1 += dsk_load_f32(y, dty, o + 1);
-        } else {
-            dsk_rope_rotate(x0, x1, c, s, &y0, &y1);
         }
         dsk_store_f32(y, dty, o, y0);
         dsk_store_f32(y, dty, o + 1, y1);
@@ -1379,21 +1378,21 @@ __global__ void dsk__k_rope(void *y, dsk_dtype dty, const void *x, dsk_dtype dtx
 }
 
 static dsk_status dsk__rope(dsk_ctx *ctx, const char *fn, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta,
-                            int backward) {
+                            int backward, int add) {
     int64_t T = x->shape[1], H = x->shape[2], Dh = x->shape[3], npairs = dsk_tensor_numel(x) / 2;
     DSK__TRY(dsk__cuda_need_ctx(fn, ctx));
     if (npairs == 0) return DSK_OK;
     DSK__CUDA_LAUNCH(fn, dsk__k_rope, dsk__cuda_grid(npairs), DSK__CUDA_THREADS, dsk__cuda_stream(ctx), npairs, y->data,
-                     y->dtype, x->data, x->dtype, T, H, Dh, pos0, theta, npairs, backward);
+                     y->dtype, x->data, x->dtype, T, H, Dh, pos0, theta, npairs, backward, add);
     return DSK_OK;
 }
 
 extern "C" dsk_status dsk_cuda_rope(dsk_ctx *ctx, dsk_tensor *y, const dsk_tensor *x, int64_t pos0, float theta) {
-    return dsk__rope(ctx, "dsk_rope", y, x, pos0, theta, 0);
+    return dsk__rope(ctx, "dsk_rope", y, x, pos0, theta, 0, 0);
 }
 extern "C" dsk_status dsk_cuda_rope_backward(dsk_ctx *ctx, dsk_tensor *dx, const dsk_tensor *dy, int64_t pos0,
-                                             float theta) {
-    return dsk__rope(ctx, "dsk_rope_backward", dx, dy, pos0, theta, 1);
+                                             float theta, int add) {
+    return dsk__rope(ctx, "dsk_rope_backward", dx, dy, pos0, theta, 1, add);
 }
 
 /* ======================================================================= attention */
@@ -1517,14 +1516,14 @@ extern "C" dsk_status dsk_cuda_attention(dsk_ctx *ctx, dsk_tensor *out, dsk_tens
 
 static dsk_status dsk__attention_bwd(dsk_ctx *ctx, const char *fn, const dsk__att *g, float *buf, dsk_tensor *dq,
                                      dsk_tensor *dk, dsk_tensor *dv, const dsk_tensor *dout, const dsk_tensor *q,
-                                     const dsk_tensor *k, const dsk_tensor *v, const float *P, float scale) {
+                                     const dsk_tensor *k, const dsk_tensor *v, const float *P, float scale, int add) {
     int64_t T = g->T, Dh = g->Dh;
     float *Q = buf, *K = buf + g->n, *V = buf + 2 * g->n, *dO = buf + 3 * g->n, *dX = buf + 4 * g->n,
           *dP = buf + 5 * g->n;
     DSK__TRY(dsk__to_f32(ctx, fn, g, dO, dout));
     if (dv) { /* dV = P^T dO */
         DSK__TRY(dsk__att_gemm(ctx, fn, g, 1, 0, T, Dh, T, 1.0f, dsk__att_mat(P, T, T), dsk__att_mat(dO, T, Dh), dX));
-        DSK__TRY(dsk__from_f32(ctx, fn, g, dv, dX, 1));
+        DSK__TRY(dsk__from_f32(ctx, fn, g, dv, dX, add));
     }
     if (!dq && !dk) return DSK_OK;
     DSK__TRY(dsk__to_f32(ctx, fn, g, Q, q));
@@ -1537,18 +1536,18 @@ static dsk_status dsk__attention_bwd(dsk_ctx *ctx, const char *fn, const dsk__at
                      dsk__cuda_stream(ctx), g->BH * T * T, dP, P, T);
     if (dq) { /* dQ = scale dS K */
         DSK__TRY(dsk__att_gemm(ctx, fn, g, 0, 0, T, Dh, T, scale, dsk__att_mat(dP, T, T), dsk__att_mat(K, T, Dh), dX));
-        DSK__TRY(dsk__from_f32(ctx, fn, g, dq, dX, 1));
+        DSK__TRY(dsk__from_f32(ctx, fn, g, dq, dX, add));
     }
     if (dk) { /* dK = scale dS^T Q */
         DSK__TRY(dsk__att_gemm(ctx, fn, g, 1, 0, T, Dh, T, scale, dsk__att_mat(dP, T, T), dsk__att_mat(Q, T, Dh), dX));
-        DSK__TRY(dsk__from_f32(ctx, fn, g, dk, dX, 1));
+        DSK__TRY(dsk__from_f32(ctx, fn, g, dk, dX, add));
     }
     return DSK_OK;
 }
 
 extern "C" dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, dsk_tensor *dk, dsk_tensor *dv,
                                                   const dsk_tensor *dout, const dsk_tensor *q, const dsk_tensor *k,
-                                                  const dsk_tensor *v, const dsk_tensor *probs, float scale) {
+                                                  const dsk_tensor *v, const dsk_tensor *probs, float scale, int add) {
     static const char *fn = "dsk_attention_backward";
     dsk__att g;
     float *buf = NULL;
@@ -1558,7 +1557,7 @@ extern "C" dsk_status dsk_cuda_attention_backward(dsk_ctx *ctx, dsk_tensor *dq, 
     if (g.n == 0 || (!dq && !dk && !dv)) return DSK_OK;
     /* Q, K, V, dO, one gradient at a time, and dP (BH, T, T). */
     DSK__TRY(dsk__scratch(ctx, (size_t)(5 * g.n + g.BH * g.T * g.T) * sizeof(float), (void **)&buf));
-    s = dsk__attention_bwd(ctx, fn, &g, buf, dq, dk, dv, dout, q, k, v, (const float *)probs->data, scale);
+    s = dsk__attention_bwd(ctx, fn, &g, buf, dq, dk, dv, dout, q, k, v, (const float *)probs->data, scale, add);
     dsk__scratch_free(ctx, buf);
     return s;
 }

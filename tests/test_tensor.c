@@ -94,6 +94,11 @@ static dsk_tensor *tt_poisoned(dsk_dtype dt, int ndim, const int64_t *shape) {
     for (int64_t i = 0, n = dsk_tensor_numel(t); i < n; i++) tt_set(t, i, NAN);
     return t;
 }
+static dsk_tensor *tt_zeroed(dsk_dtype dt, int ndim, const int64_t *shape) {
+    dsk_tensor *t = tt_new(dt, ndim, shape);
+    for (int64_t i = 0, n = dsk_tensor_numel(t); i < n; i++) tt_set(t, i, 0.0);
+    return t;
+}
 static dsk_tensor *tt_ids(int ndim, const int64_t *shape, int64_t limit) {
     dsk_tensor *t = tt_new(DSK_I32, ndim, shape);
     for (int64_t i = 0, n = dsk_tensor_numel(t); i < n; i++) ((int32_t *)t->data)[i] = (int32_t)dsk_test_rand_int(limit);
@@ -1512,9 +1517,19 @@ static void test_silu_swiglu(dsk_dtype dt) {
         memcpy(both + n, uv, (size_t)n * sizeof(double));
         g = tt_numgrad(tt_swiglu_loss, both, 2 * n, &u);
         dx0 = tt_vals(dx);
-        DSK_TEST_OK(dsk_swiglu_backward(tt_cx, dx, dup, dy, x, up));
+        DSK_TEST_OK(dsk_swiglu_backward(tt_cx, dx, dup, dy, x, up, DSK_GRAD_ADD));
         TT_CHECK(dx, tt_plus(dx0, g, n), tol, atol, "swiglu dgate vs finite differences");
         TT_CHECK(dup, tt_plus(du0, g + n, n), tol, atol, "swiglu dup vs finite differences");
+        { /* DSK_GRAD_WRITE into NaN: the values DSK_GRAD_ADD gives into zeros, and the finite differences */
+            dsk_tensor *zg = tt_zeroed(dt, nd, sh), *zu = tt_zeroed(dt, nd, sh), *wg = tt_poisoned(dt, nd, sh),
+                       *wu = tt_poisoned(dt, nd, sh);
+            DSK_TEST_OK(dsk_swiglu_backward(tt_cx, zg, zu, dy, x, up, DSK_GRAD_ADD));
+            DSK_TEST_OK(dsk_swiglu_backward(tt_cx, wg, wu, dy, x, up, DSK_GRAD_WRITE));
+            TT_CHECK(wg, tt_vals(zg), 0, 0, "swiglu dgate written = added into zeros");
+            TT_CHECK(wu, tt_vals(zu), 0, 0, "swiglu dup written = added into zeros");
+            TT_CHECK(wg, g, tol, atol, "swiglu dgate written vs finite differences");
+            TT_CHECK(wu, g + n, tol, atol, "swiglu dup written vs finite differences");
+        }
     }
 }
 
@@ -2023,8 +2038,16 @@ static void test_rope(dsk_dtype dt) {
         DSK_TEST_OK(dsk_rope(tt_cx, y, x, u.pos0, 10000.0f));
         TT_CHECK(y, w, tt_tol(dt), dt == DSK_F32 ? 2e-5 : 1e-2, "rope");
         g = tt_numgrad(tt_rope_loss, xv, n, &u);
-        DSK_TEST_OK(dsk_rope_backward(tt_cx, dx, dy, u.pos0, 10000.0f));
+        DSK_TEST_OK(dsk_rope_backward(tt_cx, dx, dy, u.pos0, 10000.0f, DSK_GRAD_ADD));
         TT_CHECK(dx, tt_plus(dx0, g, n), dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt), dt == DSK_F32 ? 2e-5 : 2e-2, "rope backward vs finite differences");
+        { /* DSK_GRAD_WRITE into NaN against DSK_GRAD_ADD into zeros and the finite differences */
+            dsk_tensor *zx = tt_zeroed(dt, 4, cfg[s]), *wx = tt_poisoned(dt, 4, cfg[s]);
+            DSK_TEST_OK(dsk_rope_backward(tt_cx, zx, dy, u.pos0, 10000.0f, DSK_GRAD_ADD));
+            DSK_TEST_OK(dsk_rope_backward(tt_cx, wx, dy, u.pos0, 10000.0f, DSK_GRAD_WRITE));
+            TT_CHECK(wx, tt_vals(zx), 0, 0, "rope backward written = added into zeros");
+            TT_CHECK(wx, g, dt == DSK_F32 ? 1e-4 : 3 * tt_tol(dt), dt == DSK_F32 ? 2e-5 : 2e-2,
+                     "rope backward written vs finite differences");
+        }
         DSK_TEST_OK(dsk_rope(tt_cx, x, x, u.pos0, 10000.0f));
         TT_CHECK(x, w, tt_tol(dt), dt == DSK_F32 ? 2e-5 : 1e-2, "rope in place");
     }
@@ -2086,10 +2109,26 @@ static void test_attention(dsk_dtype dt) {
         TT_CHECK(out, wo, tt_tol(dt), 1e-6, "attention out");
         TT_CHECK(probs, wp, 1e-5, 1e-7, "attention probs (zero above the diagonal)");
         g = tt_numgrad(tt_attention_loss, x, 3 * n, &u);
-        DSK_TEST_OK(dsk_attention_backward(tt_cx, dq, dk, dv, dout, q, k, v, probs, (float)u.scale));
+        DSK_TEST_OK(dsk_attention_backward(tt_cx, dq, dk, dv, dout, q, k, v, probs, (float)u.scale, DSK_GRAD_ADD));
         TT_CHECK(dq, tt_plus(q0, g, n), tol, atol, "attention dq vs finite differences");
         TT_CHECK(dk, tt_plus(k0, g + n, n), tol, atol, "attention dk vs finite differences");
         TT_CHECK(dv, tt_plus(v0, g + 2 * n, n), tol, atol, "attention dv vs finite differences");
+        { /* DSK_GRAD_WRITE into NaN against DSK_GRAD_ADD into zeros and the finite differences */
+            dsk_tensor *z[3], *w[3];
+            const char *what[3] = {"attention dq written", "attention dk written", "attention dv written"};
+            for (int i = 0; i < 3; i++) {
+                z[i] = tt_zeroed(dt, 4, sh);
+                w[i] = tt_poisoned(dt, 4, sh);
+            }
+            DSK_TEST_OK(
+                dsk_attention_backward(tt_cx, z[0], z[1], z[2], dout, q, k, v, probs, (float)u.scale, DSK_GRAD_ADD));
+            DSK_TEST_OK(
+                dsk_attention_backward(tt_cx, w[0], w[1], w[2], dout, q, k, v, probs, (float)u.scale, DSK_GRAD_WRITE));
+            for (int i = 0; i < 3; i++) {
+                TT_CHECK(w[i], tt_vals(z[i]), 0, 0, what[i]);
+                TT_CHECK(w[i], g + i * n, tol, atol, what[i]);
+            }
+        }
     }
 }
 
@@ -2159,7 +2198,7 @@ static void test_attention_threads(dsk_dtype dt) {
     tt_attention_backward_ref(tt_vals(q), tt_vals(k), tt_vals(v), tt_vals(dout), wp, &u, gq, gk, gv);
     for (int t = 0; t < 2; t++) {
         DSK_TEST_OK(dsk_attention(&c[t], out[t], probs[t], q, k, v, 0.25f));
-        DSK_TEST_OK(dsk_attention_backward(&c[t], dq[t], dk[t], dv[t], dout, q, k, v, probs[t], 0.25f));
+        DSK_TEST_OK(dsk_attention_backward(&c[t], dq[t], dk[t], dv[t], dout, q, k, v, probs[t], 0.25f, DSK_GRAD_ADD));
     }
     TT_CHECK(out[0], wo, tt_tol(dt), dt == DSK_F32 ? 1e-5 : 1e-2, "attention out (2, 67, 3, 16)");
     TT_CHECK(probs[0], wp, 1e-5, 1e-7, "attention probs (2, 3, 67, 67)");
@@ -2194,7 +2233,7 @@ static void test_attention_long(void) {
     tt_attention_ref(tt_vals(q), tt_vals(k), tt_vals(v), &u, wo, wp);
     tt_attention_backward_ref(tt_vals(q), tt_vals(k), tt_vals(v), tt_vals(dout), wp, &u, gq, gk, gv);
     DSK_TEST_OK(dsk_attention(NULL, out, probs, q, k, v, 0.125f));
-    DSK_TEST_OK(dsk_attention_backward(NULL, dq, dk, dv, dout, q, k, v, probs, 0.125f));
+    DSK_TEST_OK(dsk_attention_backward(NULL, dq, dk, dv, dout, q, k, v, probs, 0.125f, DSK_GRAD_ADD));
     TT_CHECK(out, wo, 2e-5, 1e-6, "attention out, T 700");
     TT_CHECK(probs, wp, 1e-5, 1e-7, "attention probs, T 700");
     TT_CHECK(dq, gq, 1e-4, 1e-5, "attention dq, T 700");
@@ -2306,7 +2345,8 @@ static void test_out_of_memory(void) {
     TT_ERR(dsk_matmul(NULL, Cb, Ab, 0, Bb, 0, 1, 0), DSK_ERR_OOM, "dsk_matmul: out of host memory for an f32 copy of C");
     TT_ERR(dsk_cross_entropy(NULL, loss, NULL, lg, tg, -100, 1.0f), DSK_ERR_OOM, "dsk_cross_entropy: out of host memory");
     TT_ERR(dsk_attention(NULL, o, pr, q, q, q, 0.3f), DSK_ERR_OOM, "dsk_attention: out of host memory");
-    TT_ERR(dsk_attention_backward(NULL, o, o, o, o, q, q, q, pr, 0.3f), DSK_ERR_OOM, "dsk_attention_backward: out of host memory");
+    TT_ERR(dsk_attention_backward(NULL, o, o, o, o, q, q, q, pr, 0.3f, DSK_GRAD_ADD), DSK_ERR_OOM,
+           "dsk_attention_backward: out of host memory");
     dsk_sgemm_cpu(0, 0, 40, 50, 30, 1.0f, a, 30, b, 50, 0.0f, c, 50, 2);
     tt_oom = 0;
     DSK_TEST_CLOSE(c, want, 40 * 50, 1e-5, 1e-5, "dsk_sgemm_cpu without packing buffers");
@@ -2407,10 +2447,31 @@ static void test_attention_fused(dsk_dtype dt, int64_t B, int64_t T, int64_t H, 
     DSK_TEST_OK(dsk_attention_fused(tt_cx, out, lse, q, k, v, (float)a.scale));
     TT_CHECK(out, wo, tt_tol(dt), dt == DSK_F32 ? 1e-6 : 1e-2, "fused attention out vs float64");
     TT_CHECK(lse, wl, 2e-5, 2e-5, "fused attention lse vs float64");
-    DSK_TEST_OK(dsk_attention_fused_backward(tt_cx, dq, dk, dv, dout, q, k, v, out, lse, (float)a.scale));
+    DSK_TEST_OK(dsk_attention_fused_backward(tt_cx, dq, dk, dv, dout, q, k, v, out, lse, (float)a.scale, DSK_GRAD_ADD));
     TT_CHECK(dq, tt_plus(q0, gq, nk), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused attention dq vs float64");
     TT_CHECK(dk, tt_plus(k0, gk, nk), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused attention dk vs float64");
     TT_CHECK(dv, tt_plus(v0, gv, nv), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused attention dv vs float64");
+    { /* DSK_GRAD_WRITE into NaN (slices of one poisoned tensor when packed) against float64 */
+        dsk_tensor wqs, wks, wvs, *wq, *wk, *wv;
+        if (packed) {
+            dsk_tensor *w = tt_poisoned(dt, 4, sp);
+            wqs = tt_fa_slice(w, 0, Dk);
+            wks = tt_fa_slice(w, Dk, Dk);
+            wvs = tt_fa_slice(w, 2 * Dk, Dv);
+            wq = &wqs;
+            wk = &wks;
+            wv = &wvs;
+        } else {
+            wq = tt_poisoned(dt, 4, sk);
+            wk = tt_poisoned(dt, 4, sk);
+            wv = tt_poisoned(dt, 4, sv);
+        }
+        DSK_TEST_OK(
+            dsk_attention_fused_backward(tt_cx, wq, wk, wv, dout, q, k, v, out, lse, (float)a.scale, DSK_GRAD_WRITE));
+        TT_CHECK(wq, gq, tt_fa_gtol(dt), tt_fa_gatol(dt), "fused attention dq written vs float64");
+        TT_CHECK(wk, gk, tt_fa_gtol(dt), tt_fa_gatol(dt), "fused attention dk written vs float64");
+        TT_CHECK(wv, gv, tt_fa_gtol(dt), tt_fa_gatol(dt), "fused attention dv written vs float64");
+    }
     if (packed) { /* the inputs are untouched */
         TT_CHECK(q, qv, 0, 0, "q after the calls");
         TT_CHECK(v, vv, 0, 0, "v after the calls");
@@ -2427,8 +2488,8 @@ static void test_attention_fused_vs_materialised(dsk_dtype dt) {
     for (int i = 0; i < 6; i++) { g[i] = tt_new(dt, 4, sh); DSK_TEST_OK(dsk_tensor_fill(NULL, g[i], 0.0)); }
     DSK_TEST_OK(dsk_attention(NULL, o1, pr, q, k, v, 0.25f));
     DSK_TEST_OK(dsk_attention_fused(NULL, o2, lse, q, k, v, 0.25f));
-    DSK_TEST_OK(dsk_attention_backward(NULL, g[0], g[1], g[2], dout, q, k, v, pr, 0.25f));
-    DSK_TEST_OK(dsk_attention_fused_backward(NULL, g[3], g[4], g[5], dout, q, k, v, o2, lse, 0.25f));
+    DSK_TEST_OK(dsk_attention_backward(NULL, g[0], g[1], g[2], dout, q, k, v, pr, 0.25f, DSK_GRAD_ADD));
+    DSK_TEST_OK(dsk_attention_fused_backward(NULL, g[3], g[4], g[5], dout, q, k, v, o2, lse, 0.25f, DSK_GRAD_ADD));
     (void)n;
     TT_CHECK(o2, tt_vals(o1), dt == DSK_F32 ? 1e-5 : 2 * tt_tol(dt), dt == DSK_F32 ? 1e-6 : 1e-2, "fused out vs dsk_attention");
     TT_CHECK(g[3], tt_vals(g[0]), tt_fa_gtol(dt), tt_fa_gatol(dt), "fused dq vs dsk_attention_backward");
@@ -2462,7 +2523,8 @@ static void test_attention_fused_threads(dsk_dtype dt, int64_t H) {
         DSK_TEST_OK(dsk_tensor_fill(NULL, dk[t], 0.0));
         DSK_TEST_OK(dsk_tensor_fill(NULL, dv[t], 0.0));
         DSK_TEST_OK(dsk_attention_fused(&c[t], out[t], lse[t], q, k, v, (float)a.scale));
-        DSK_TEST_OK(dsk_attention_fused_backward(&c[t], dq[t], dk[t], dv[t], dout, q, k, v, out[t], lse[t], (float)a.scale));
+        DSK_TEST_OK(dsk_attention_fused_backward(&c[t], dq[t], dk[t], dv[t], dout, q, k, v, out[t], lse[t],
+                                                 (float)a.scale, DSK_GRAD_ADD));
     }
     TT_CHECK(out[0], wo, tt_tol(dt), dt == DSK_F32 ? 1e-6 : 1e-2, "out vs float64");
     TT_CHECK(lse[0], wl, 2e-5, 2e-5, "lse vs float64");
@@ -2506,17 +2568,25 @@ static void test_errors_attention_fused(void) {
     TT_ERR(dsk_attention_fused(NULL, o, l, q, q, v, INFINITY), DSK_ERR_ARG, "dsk_attention_fused: scale inf is not finite");
     DSK_TEST_OK(dsk_attention_fused(NULL, o, NULL, q, q, v, 1.0f)); /* lse is optional in forward */
     DSK_TEST_OK(dsk_attention_fused(NULL, o, l, q, q, v, 1.0f));
-    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o, q, q, v, o, NULL, 1.0f), DSK_ERR_ARG, "dsk_attention_fused_backward: lse is NULL");
-    TT_ERR(dsk_attention_fused_backward(NULL, NULL, dq, v, o, q, q, v, o, l, 1.0f), DSK_ERR_ARG, "dsk_attention_fused_backward: dq is NULL");
-    TT_ERR(dsk_attention_fused_backward(NULL, dq, k5, v, o, q, q, v, o, l, 1.0f), DSK_ERR_ARG, "dk [1,3,2,5] f32 does not match the shape of k");
-    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, o5, o, q, q, v, o, l, 1.0f), DSK_ERR_ARG, "dv [1,3,2,5] f32 does not match the shape of v");
-    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o5, q, q, v, o, l, 1.0f), DSK_ERR_ARG, "dout [1,3,2,5] f32 must be (B, T, H, Dv)");
-    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o, q, q, v, k5, l, 1.0f), DSK_ERR_ARG, "out [1,3,2,5] f32 does not match the shape of dout");
-    TT_ERR(dsk_attention_fused_backward(NULL, kb, dq, v, o, q, q, v, o, l, 1.0f), DSK_ERR_ARG, "dq [1,3,2,4] bf16 must have the dtype of q");
-    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o, q, q, v, o, l, NAN), DSK_ERR_ARG, "scale nan is not finite");
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o, q, q, v, o, NULL, 1.0f, DSK_GRAD_ADD), DSK_ERR_ARG,
+           "dsk_attention_fused_backward: lse is NULL");
+    TT_ERR(dsk_attention_fused_backward(NULL, NULL, dq, v, o, q, q, v, o, l, 1.0f, DSK_GRAD_ADD), DSK_ERR_ARG,
+           "dsk_attention_fused_backward: dq is NULL");
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, k5, v, o, q, q, v, o, l, 1.0f, DSK_GRAD_ADD), DSK_ERR_ARG,
+           "dk [1,3,2,5] f32 does not match the shape of k");
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, o5, o, q, q, v, o, l, 1.0f, DSK_GRAD_ADD), DSK_ERR_ARG,
+           "dv [1,3,2,5] f32 does not match the shape of v");
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o5, q, q, v, o, l, 1.0f, DSK_GRAD_ADD), DSK_ERR_ARG,
+           "dout [1,3,2,5] f32 must be (B, T, H, Dv)");
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o, q, q, v, k5, l, 1.0f, DSK_GRAD_ADD), DSK_ERR_ARG,
+           "out [1,3,2,5] f32 does not match the shape of dout");
+    TT_ERR(dsk_attention_fused_backward(NULL, kb, dq, v, o, q, q, v, o, l, 1.0f, DSK_GRAD_ADD), DSK_ERR_ARG,
+           "dq [1,3,2,4] bf16 must have the dtype of q");
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o, q, q, v, o, l, NAN, DSK_GRAD_ADD), DSK_ERR_ARG,
+           "scale nan is not finite");
     /* empty sequences: nothing to do */
     DSK_TEST_OK(dsk_attention_fused(NULL, ev, el, e, e, ev, 1.0f));
-    DSK_TEST_OK(dsk_attention_fused_backward(NULL, e, e, ev, ev, e, e, ev, ev, el, 1.0f));
+    DSK_TEST_OK(dsk_attention_fused_backward(NULL, e, e, ev, ev, e, e, ev, ev, el, 1.0f, DSK_GRAD_ADD));
     /* a CUDA tensor */
     DSK_TEST_OK(dsk_tensor_wrap(&dev, buf, DSK_F32, (dsk_device){DSK_DEV_CUDA, 0}, 4, SH(1, 3, 2, 4)));
 #ifdef DSK_CUDA
@@ -2531,7 +2601,7 @@ static void test_errors_attention_fused(void) {
     snprintf(want, sizeof want, "%s: out of host memory", fn);
     TT_ERR(dsk_attention_fused(NULL, o, l, q, q, v, 1.0f), DSK_ERR_OOM, want);
     snprintf(want, sizeof want, "%s: out of host memory", bn);
-    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o, q, q, v, o, l, 1.0f), DSK_ERR_OOM, want);
+    TT_ERR(dsk_attention_fused_backward(NULL, dq, dq, v, o, q, q, v, o, l, 1.0f, DSK_GRAD_ADD), DSK_ERR_OOM, want);
     tt_oom = 0;
 }
 
@@ -2670,7 +2740,8 @@ static void test_errors_norms(void) {
     TT_ERR(dsk_rmsnorm(NULL, y, r3, x, w7, -1.0f), DSK_ERR_ARG, "eps -1 must be finite and >= 0");
     TT_ERR(dsk_rmsnorm_backward(NULL, y, NULL, x, x, w7, NULL), DSK_ERR_ARG, "dsk_rmsnorm_backward: rstd is NULL");
     TT_ERR(dsk_silu(NULL, yb, x), DSK_ERR_ARG, "dsk_silu: x [3,7] f32 must have the dtype of y");
-    TT_ERR(dsk_swiglu_backward(NULL, y, y, x, x, r), DSK_ERR_ARG, "dsk_swiglu_backward: up [4] f32 does not match");
+    TT_ERR(dsk_swiglu_backward(NULL, y, y, x, x, r, DSK_GRAD_ADD), DSK_ERR_ARG,
+           "dsk_swiglu_backward: up [4] f32 does not match");
 }
 
 static void test_errors_indices(void) {
@@ -2707,11 +2778,38 @@ static void test_errors_topk_rope_attention(void) {
     TT_ERR(dsk_topk(NULL, v, i3, x, 2), DSK_ERR_ARG, "indices [2,2] i32 must be (3, 2)");
     TT_ERR(dsk_rope(NULL, q5, q5, 0, 10000.0f), DSK_ERR_ARG, "dsk_rope: x [1,2,1,5] f32: head dim 5 must be even");
     TT_ERR(dsk_rope(NULL, q, q, 0, 0.0f), DSK_ERR_ARG, "theta 0 must be finite and > 0");
-    TT_ERR(dsk_rope_backward(NULL, q3, q3, 0, 1e4f), DSK_ERR_ARG, "dsk_rope_backward: dy [3,2,4] f32 must have 4 dims");
+    TT_ERR(dsk_rope_backward(NULL, q3, q3, 0, 1e4f, DSK_GRAD_ADD), DSK_ERR_ARG,
+           "dsk_rope_backward: dy [3,2,4] f32 must have 4 dims");
     TT_ERR(dsk_attention(NULL, o, pr, q, k2, q, 0.5f), DSK_ERR_ARG, "dsk_attention: k [1,2,2,4] f32 does not match the shape of q");
     TT_ERR(dsk_attention(NULL, o, pb, q, q, q, 0.5f), DSK_ERR_ARG, "probs [1,3,2,3] f32 must be (1, 2, 3, 3) (B, H, T, T)");
     TT_ERR(dsk_attention(NULL, o, pr, q, q, q, NAN), DSK_ERR_ARG, "scale nan is not finite");
-    TT_ERR(dsk_attention_backward(NULL, o, NULL, o, o, q, q, q, pr, 0.5f), DSK_ERR_ARG, "dsk_attention_backward: dk is NULL");
+    TT_ERR(dsk_attention_backward(NULL, o, NULL, o, o, q, q, q, pr, 0.5f, DSK_GRAD_ADD), DSK_ERR_ARG,
+           "dsk_attention_backward: dk is NULL");
+}
+
+/* A store that is neither DSK_GRAD_ADD nor DSK_GRAD_WRITE: each backward that takes one names
+   it, and its outputs keep their values. */
+static void test_errors_grad_store(void) {
+    const int64_t *sh = SH(1, 3, 2, 4);
+    dsk_tensor *q = tt_rand(DSK_F32, 4, sh, -1, 1), *o = tt_rand(DSK_F32, 4, sh, -1, 1), *g[3],
+               *l = tt_new(DSK_F32, 3, SH(1, 2, 3));
+    dsk_tensor *pr = tt_new(DSK_F32, 4, SH(1, 2, 3, 3));
+    dsk_grad_store bad = (dsk_grad_store)2;
+    double *before[3];
+    DSK_TEST_OK(dsk_attention(NULL, o, pr, q, q, q, 0.5f));
+    DSK_TEST_OK(dsk_attention_fused(NULL, o, l, q, q, q, 0.5f));
+    for (int i = 0; i < 3; i++) {
+        g[i] = tt_rand(DSK_F32, 4, sh, -1, 1);
+        before[i] = tt_vals(g[i]);
+    }
+    TT_ERR(dsk_swiglu_backward(NULL, g[0], g[1], q, q, q, bad), DSK_ERR_ARG,
+           "dsk_swiglu_backward: store 2 is neither DSK_GRAD_ADD (0) nor DSK_GRAD_WRITE (1)");
+    TT_ERR(dsk_rope_backward(NULL, g[0], q, 0, 1e4f, bad), DSK_ERR_ARG, "dsk_rope_backward: store 2 is neither");
+    TT_ERR(dsk_attention_backward(NULL, g[0], g[1], g[2], q, q, q, q, pr, 0.5f, bad), DSK_ERR_ARG,
+           "dsk_attention_backward: store 2 is neither");
+    TT_ERR(dsk_attention_fused_backward(NULL, g[0], g[1], g[2], q, q, q, q, o, l, 0.5f, (dsk_grad_store)-1),
+           DSK_ERR_ARG, "dsk_attention_fused_backward: store -1 is neither");
+    for (int i = 0; i < 3; i++) TT_CHECK(g[i], before[i], 0, 0, "a gradient output after the refused calls");
 }
 
 static void test_errors_adamw(void) {
@@ -2951,7 +3049,7 @@ static dsk_status tt_rows_swiglu(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int
 }
 static dsk_status tt_rows_swiglu_bwd(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
     (void)io; (void)r0; (void)n;
-    return dsk_swiglu_backward(cx, &v[0], &v[1], &v[2], &v[3], &v[4]);
+    return dsk_swiglu_backward(cx, &v[0], &v[1], &v[2], &v[3], &v[4], DSK_GRAD_ADD);
 }
 /* The raw f32 SwiGLU of dsk_moe.h (no ctx: dsk_cpu_isa_auto()'s kernels, so only for AUTO). */
 static dsk_status tt_rows_swiglu_grad_cpu(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
@@ -2971,7 +3069,7 @@ static dsk_status tt_rows_rope(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64
 }
 static dsk_status tt_rows_rope_bwd(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
     (void)io; (void)n;
-    return dsk_rope_backward(cx, &v[0], &v[1], r0, 10000.0f);
+    return dsk_rope_backward(cx, &v[0], &v[1], r0, 10000.0f, DSK_GRAD_ADD);
 }
 static dsk_status tt_rows_gather(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
     (void)r0; (void)n;
@@ -3054,7 +3152,7 @@ static dsk_status tt_rows_attn(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64
 }
 static dsk_status tt_rows_attn_bwd(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
     (void)io; (void)r0; (void)n;
-    return dsk_attention_backward(cx, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], 0.3f);
+    return dsk_attention_backward(cx, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], 0.3f, DSK_GRAD_ADD);
 }
 static dsk_status tt_rows_fattn(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
     (void)io; (void)r0; (void)n;
@@ -3062,7 +3160,8 @@ static dsk_status tt_rows_fattn(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int6
 }
 static dsk_status tt_rows_fattn_bwd(dsk_ctx *cx, tt_rows_io *io, dsk_tensor *v, int64_t r0, int64_t n) {
     (void)io; (void)r0; (void)n;
-    return dsk_attention_fused_backward(cx, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], 0.3f);
+    return dsk_attention_fused_backward(cx, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], 0.3f,
+                                        DSK_GRAD_ADD);
 }
 
 /* Attention (dt) on a batch of B sequences of T = 21 (3 heads of 12), cut along the batch: a
@@ -3379,6 +3478,8 @@ int main(void) {
     TT_CASE("errors: softmax, rmsnorm, activations"); test_errors_norms();
     TT_CASE("errors: indices (embedding, gather, scatter, cross_entropy)"); test_errors_indices();
     TT_CASE("errors: topk, rope, attention"); test_errors_topk_rope_attention();
+    TT_CASE("errors: a backward's store neither add nor write, outputs kept");
+    test_errors_grad_store();
     TT_CASE("errors: group_by_key, matmul_grouped, gather_rows_scaled"); test_errors_grouped();
     TT_CASE("errors: AdamW"); test_errors_adamw();
     for (int d = 0; d < 3; d++) {

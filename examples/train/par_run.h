@@ -348,15 +348,13 @@ static dsk_status tp_mha_backward(tp_state *ps, int l, tp_acts *s) {
     const tm_config *c = &m->cfg;
     TM_T(TM_PH_LINEAR,
          tp_row_backward(ps, &ps->datt, &b->wo->g, &ps->dx, tp_sp(ps, &ps->big), &s->att, &b->wo->wc, &s->f8_att));
-    dsk_tensor *zs[] = {&ps->dqr, &ps->dkr, &ps->dv, &ps->dq, &ps->dk};
-    for (size_t i = 0; i < 5; i++) TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, zs[i], 0.0));
     dsk_tensor qr4 = tp_heads(ps, &s->qr), kr4 = tp_heads(ps, &s->kr), v4 = tp_heads(ps, &s->v);
     dsk_tensor do4 = tp_heads(ps, &ps->datt), dqr4 = tp_heads(ps, &ps->dqr), dkr4 = tp_heads(ps, &ps->dkr);
     dsk_tensor dv4 = tp_heads(ps, &ps->dv), dq4 = tp_heads(ps, &ps->dq), dk4 = tp_heads(ps, &ps->dk);
     TM_T(TM_PH_ATTN, dsk_attention_backward(ctx, &dqr4, &dkr4, &dv4, &do4, &qr4, &kr4, &v4, &s->probs,
-                                            1.0f / sqrtf((float)ps->Dh)));
-    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dq4, &dqr4, 0, c->rope_theta));
-    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dk4, &dkr4, 0, c->rope_theta));
+                                            1.0f / sqrtf((float)ps->Dh), DSK_GRAD_WRITE));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dq4, &dqr4, 0, c->rope_theta, DSK_GRAD_WRITE));
+    TM_T(TM_PH_ROPE, dsk_rope_backward(ctx, &dk4, &dkr4, 0, c->rope_theta, DSK_GRAD_WRITE));
     dsk_tensor *dW[3] = {&b->wq->g, &b->wk->g, &b->wv->g};
     const dsk_tensor *dY[3] = {&ps->dq, &ps->dk, &ps->dv}, *W[3] = {&b->wq->wc, &b->wk->wc, &b->wv->wc};
     TM_T(TM_PH_LINEAR, tp_column_backward(ps, 3, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s->h1g, &s->f8_h1));
@@ -381,9 +379,7 @@ static dsk_status tp_block_backward_pre(tp_state *ps, int l, int slot, int micro
     if (!b->is_moe) {
         TM_T(TM_PH_FFN,
              tp_row_backward(ps, &ps->da, &b->w2->g, &ps->dx, tp_sp(ps, &ps->big), &s.a, &b->w2->wc, &s.f8_a));
-        TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->dg, 0.0));
-        TM_T(TM_PH_MOVE, dsk_tensor_fill(ctx, &ps->du, 0.0));
-        TM_T(TM_PH_FFN, dsk_swiglu_backward(ctx, &ps->dg, &ps->du, &ps->da, &s.g, &s.u));
+        TM_T(TM_PH_FFN, dsk_swiglu_backward(ctx, &ps->dg, &ps->du, &ps->da, &s.g, &s.u, DSK_GRAD_WRITE));
         dsk_tensor *dW[2] = {&b->w1->g, &b->w3->g};
         const dsk_tensor *dY[2] = {&ps->dg, &ps->du}, *W[2] = {&b->w1->wc, &b->w3->wc};
         TM_T(TM_PH_FFN, tp_column_backward(ps, 2, &ps->dh, tp_sp(ps, &ps->big), dW, dY, W, &s.h2g, &s.f8_h2));

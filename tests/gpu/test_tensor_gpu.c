@@ -35,6 +35,12 @@ static dsk_tensor *hints(int nd, const int64_t *shape, int64_t n) {
     return t;
 }
 /* GPU tensor like h, filled with NaN (floats) or 0xA5 bytes (ints) so unwritten elements show. */
+/* CPU tensor of zeros (a DSK_GRAD_ADD reference for what DSK_GRAD_WRITE writes). */
+static dsk_tensor *hzeros(dsk_dtype dt, int nd, const int64_t *shape) {
+    dsk_tensor *t = halloc(dt, nd, shape);
+    DSK_TEST_OK(dsk_tensor_fill(NULL, t, 0.0));
+    return t;
+}
 static dsk_tensor *dpoison(const dsk_tensor *h) {
     dsk_tensor *d = dalloc(h->dtype, h->ndim, h->shape);
     if (dsk_dtype_is_float(h->dtype)) {
@@ -144,7 +150,7 @@ static void test_launchers_need_ctx(void) {
         DSK_TEST_ERROR_MENTIONS("dsk_cross_entropy");
         DSK_TEST_STATUS(dsk_cuda_topk(c, &t, &t, &t, 1), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_topk");
-        DSK_TEST_STATUS(dsk_cuda_attention_backward(c, &t, &t, &t, &t, &t, &t, &t, &t, 1.0f), DSK_ERR_ARG);
+        DSK_TEST_STATUS(dsk_cuda_attention_backward(c, &t, &t, &t, &t, &t, &t, &t, &t, 1.0f, 1), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_attention_backward");
         DSK_TEST_STATUS(dsk_cuda_attention_fused(c, &t, &t, &t, &t, &t, 1.0f), DSK_ERR_ARG);
         DSK_TEST_ERROR_MENTIONS("dsk_attention_fused");
@@ -435,10 +441,17 @@ static void test_activations(dsk_dtype dt, int64_t n) {
     DSK_TEST_OK(dsk_swiglu(NULL, y, x, u));
     DSK_TEST_OK(dsk_swiglu(&G, gy, gx, gu));
     check(gy, y, rt, at, "swiglu");
-    DSK_TEST_OK(dsk_swiglu_backward(NULL, dx0, du0, dy, x, u));
-    DSK_TEST_OK(dsk_swiglu_backward(&G, gdx, gdu, gdy, gx, gu));
+    DSK_TEST_OK(dsk_swiglu_backward(NULL, dx0, du0, dy, x, u, DSK_GRAD_ADD));
+    DSK_TEST_OK(dsk_swiglu_backward(&G, gdx, gdu, gdy, gx, gu, DSK_GRAD_ADD));
     check(gdx, dx0, rt, at, "swiglu dgate");
     check(gdu, du0, rt, at, "swiglu dup");
+    { /* written into NaN on the GPU against the CPU's add into zeros */
+        dsk_tensor *zx = hzeros(dt, SH(n)), *zu = hzeros(dt, SH(n)), *wx = dpoison(zx), *wu = dpoison(zu);
+        DSK_TEST_OK(dsk_swiglu_backward(NULL, zx, zu, dy, x, u, DSK_GRAD_ADD));
+        DSK_TEST_OK(dsk_swiglu_backward(&G, wx, wu, gdy, gx, gu, DSK_GRAD_WRITE));
+        check(wx, zx, rt, at, "swiglu dgate (written)");
+        check(wu, zu, rt, at, "swiglu dup (written)");
+    }
 }
 
 /* ------------------------------------------------------------------ reductions */
@@ -708,9 +721,15 @@ static void test_rope(dsk_dtype dt, int64_t B, int64_t T, int64_t H, int64_t Dh,
     DSK_TEST_OK(dsk_rope(NULL, y, x, pos0, 10000.0f));
     DSK_TEST_OK(dsk_rope(&G, gy, gx, pos0, 10000.0f));
     check(gy, y, rtol_of(dt), at, "rope");
-    DSK_TEST_OK(dsk_rope_backward(NULL, dx, x, pos0, 10000.0f));
-    DSK_TEST_OK(dsk_rope_backward(&G, gdx, gx, pos0, 10000.0f));
+    DSK_TEST_OK(dsk_rope_backward(NULL, dx, x, pos0, 10000.0f, DSK_GRAD_ADD));
+    DSK_TEST_OK(dsk_rope_backward(&G, gdx, gx, pos0, 10000.0f, DSK_GRAD_ADD));
     check(gdx, dx, rtol_of(dt), at, "rope backward (accumulated)");
+    { /* written into NaN on the GPU against the CPU's add into zeros */
+        dsk_tensor *zx = hzeros(dt, SH(B, T, H, Dh)), *wx = dpoison(zx);
+        DSK_TEST_OK(dsk_rope_backward(NULL, zx, x, pos0, 10000.0f, DSK_GRAD_ADD));
+        DSK_TEST_OK(dsk_rope_backward(&G, wx, gx, pos0, 10000.0f, DSK_GRAD_WRITE));
+        check(wx, zx, rtol_of(dt), at, "rope backward (written)");
+    }
     DSK_TEST_OK(dsk_rope(NULL, x, x, pos0, 10000.0f)); /* in place */
     DSK_TEST_OK(dsk_rope(&G, gx, gx, pos0, 10000.0f));
     check(gx, x, rtol_of(dt), at, "rope in place");
@@ -730,11 +749,22 @@ static void test_attention(dsk_dtype dt, int64_t B, int64_t T, int64_t H, int64_
     check(gP, P, 1e-4, 1e-6, "probs");
     check(gout, out, rt, at, "out");
     DSK_TEST_OK(dsk_tensor_copy(&G, gP, P)); /* backward from the same probs */
-    DSK_TEST_OK(dsk_attention_backward(NULL, dq, dk, dv, dout, q, k, v, P, scale));
-    DSK_TEST_OK(dsk_attention_backward(&G, gdq, gdk, gdv, gdout, gq, gk, gv, gP, scale));
+    DSK_TEST_OK(dsk_attention_backward(NULL, dq, dk, dv, dout, q, k, v, P, scale, DSK_GRAD_ADD));
+    DSK_TEST_OK(dsk_attention_backward(&G, gdq, gdk, gdv, gdout, gq, gk, gv, gP, scale, DSK_GRAD_ADD));
     check(gdq, dq, rt, at, "dq (accumulated)");
     check(gdk, dk, rt, at, "dk (accumulated)");
     check(gdv, dv, rt, at, "dv (accumulated)");
+    { /* written into NaN on the GPU against the CPU's add into zeros */
+        dsk_tensor *z[3], *w[3];
+        const char *what[3] = {"dq (written)", "dk (written)", "dv (written)"};
+        for (int i = 0; i < 3; i++) {
+            z[i] = hzeros(dt, SH(B, T, H, Dh));
+            w[i] = dpoison(z[i]);
+        }
+        DSK_TEST_OK(dsk_attention_backward(NULL, z[0], z[1], z[2], dout, q, k, v, P, scale, DSK_GRAD_ADD));
+        DSK_TEST_OK(dsk_attention_backward(&G, w[0], w[1], w[2], gdout, gq, gk, gv, gP, scale, DSK_GRAD_WRITE));
+        for (int i = 0; i < 3; i++) check(w[i], z[i], rt, at, what[i]);
+    }
 }
 
 /* ------------------------------------------------------------------ fused attention */
@@ -774,13 +804,35 @@ static void test_attention_fused(dsk_dtype dt, int64_t B, int64_t T, int64_t H, 
     check(gout, out, rt, at, "out");
     if (!with_lse) return;
     check(glse, lse, 1e-4, 1e-4, "lse");
-    DSK_TEST_OK(dsk_attention_fused_backward(NULL, dq, dk, dv, dout, q, k, v, out, lse, scale));
+    DSK_TEST_OK(dsk_attention_fused_backward(NULL, dq, dk, dv, dout, q, k, v, out, lse, scale, DSK_GRAD_ADD));
     DSK_TEST_OK(dsk_tensor_copy(&G, gout, out)); /* backward from the same out and lse */
     DSK_TEST_OK(dsk_tensor_copy(&G, glse, lse));
-    DSK_TEST_OK(dsk_attention_fused_backward(&G, gdq, gdk, gdv, gdout, gq, gk, gv, gout, glse, scale));
+    DSK_TEST_OK(dsk_attention_fused_backward(&G, gdq, gdk, gdv, gdout, gq, gk, gv, gout, glse, scale, DSK_GRAD_ADD));
     check(gdq, dq, rt, at, "dq (accumulated)");
     check(gdk, dk, rt, at, "dk (accumulated)");
     check(gdv, dv, rt, at, "dv (accumulated)");
+    { /* written into NaN on the GPU (slices of one tensor when packed) against the CPU's add into zeros */
+        dsk_tensor *z[3], *w[3];
+        const char *what[3] = {"dq (written)", "dk (written)", "dv (written)"};
+        if (packed) {
+            dsk_tensor *zp = hzeros(dt, SH(B, T, H, 2 * Dk + Dv)), *wp = dpoison(zp);
+            z[0] = fa_slice(zp, 0, Dk);
+            z[1] = fa_slice(zp, Dk, Dk);
+            z[2] = fa_slice(zp, 2 * Dk, Dv);
+            w[0] = fa_slice(wp, 0, Dk);
+            w[1] = fa_slice(wp, Dk, Dk);
+            w[2] = fa_slice(wp, 2 * Dk, Dv);
+        } else {
+            z[0] = hzeros(dt, SH(B, T, H, Dk));
+            z[1] = hzeros(dt, SH(B, T, H, Dk));
+            z[2] = hzeros(dt, SH(B, T, H, Dv));
+            for (int i = 0; i < 3; i++) w[i] = dpoison(z[i]);
+        }
+        DSK_TEST_OK(dsk_attention_fused_backward(NULL, z[0], z[1], z[2], dout, q, k, v, out, lse, scale, DSK_GRAD_ADD));
+        DSK_TEST_OK(
+            dsk_attention_fused_backward(&G, w[0], w[1], w[2], gdout, gq, gk, gv, gout, glse, scale, DSK_GRAD_WRITE));
+        for (int i = 0; i < 3; i++) check(w[i], z[i], rt, at, what[i]);
+    }
 }
 
 /* Head dims beyond the kernels' 256: DSK_ERR_UNSUPPORTED, nothing launched. */
