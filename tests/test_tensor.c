@@ -2239,6 +2239,14 @@ static void test_attention_long(void) {
     TT_CHECK(dq, gq, 1e-4, 1e-5, "attention dq, T 700");
     TT_CHECK(dk, gk, 1e-4, 1e-5, "attention dk, T 700");
     TT_CHECK(dv, gv, 1e-4, 1e-5, "attention dv, T 700");
+    { /* written into NaN: the dK and dV products' K (up to T) spans two slices, the second adding to the first */
+        dsk_tensor *w[3];
+        for (int i = 0; i < 3; i++) w[i] = tt_poisoned(DSK_F32, 4, sh);
+        DSK_TEST_OK(dsk_attention_backward(NULL, w[0], w[1], w[2], dout, q, k, v, probs, 0.125f, DSK_GRAD_WRITE));
+        TT_CHECK(w[0], tt_vals(dq), 0, 0, "attention dq written = added into zeros, T 700");
+        TT_CHECK(w[1], tt_vals(dk), 0, 0, "attention dk written = added into zeros, T 700");
+        TT_CHECK(w[2], tt_vals(dv), 0, 0, "attention dv written = added into zeros, T 700");
+    }
 }
 
 /* L = sum (A B) * G over x = [A; B]: the gradients a training step gets from two matmuls. */
