@@ -4528,7 +4528,7 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
     dsk_adamw_opts o;
     int cuda = 0;
     int64_t n;
-    float bc1, bc2, *p, *mm, *vv;
+    float bc1, bc2, *p;
     const dsk_tensor *ts[5] = {param, grad, m, v, param_copy};
     const char *names[5] = {"param", "grad", "m", "v", "param_copy"};
     DSK__TRY(dsk__need_dtype(fn, "param", param, DSK_F32));
@@ -4553,8 +4553,8 @@ DSK_API dsk_status dsk_adamw_step(dsk_ctx *ctx, dsk_tensor *param, const dsk_ten
     for (int64_t c = 0; c < (n + DSK__EW_CHUNK - 1) / DSK__EW_CHUNK; c++) {
         float bg[DSK__EW_CHUNK], bm[DSK__EW_CHUNK], bv[DSK__EW_CHUNK];
         int64_t off = c * DSK__EW_CHUNK, len = n - off < DSK__EW_CHUNK ? n - off : DSK__EW_CHUNK;
-        mm = (float *)dsk__row_in(m, off, len, bm); /* bf16 moments: f32 copies in bm, bv, stored back below */
-        vv = (float *)dsk__row_in(v, off, len, bv);
+        /* each thread's own chunk pointers (bf16 moments: f32 copies in bm, bv, stored back below) */
+        float *mm = (float *)dsk__row_in(m, off, len, bm), *vv = (float *)dsk__row_in(v, off, len, bv);
         dsk__adamw_rows(ctx ? ctx->cpu_isa : DSK_CPU_ISA_AUTO, p + off, mm, vv, dsk__row_in(grad, off, len, bg), len,
                         grad_mult, &o, bc1, bc2);
         dsk__row_out_done(m, off, len, mm);

@@ -2322,6 +2322,49 @@ static void test_reductions_thread_independent(void) {
     }
 }
 
+/* AdamW on 2 threads against 1, many times: its chunks' moment pointers were once shared by the
+   threads (a race that updated one chunk's moments twice and another's not at all, seen about once
+   in 30 runs of the emulated GPU test). Repeated calls give the race its chances; the bits must
+   match every time. */
+static void test_adamw_threads(void) {
+    int64_t n = 100003;
+    dsk_tensor *g = tt_rand(DSK_F32, 1, SH(n), -1, 1), *p[2], *m[2], *v[2], *c[2];
+    dsk_adamw_opts o = dsk_adamw_defaults();
+    dsk_ctx ctx[2];
+    dsk_ctx_opts co;
+    int same = 1;
+    memset(&co, 0, sizeof co);
+    co.device = DSK_PREFER_CPU;
+    p[0] = tt_rand(DSK_F32, 1, SH(n), -1, 1);
+    m[0] = tt_rand(DSK_BF16, 1, SH(n), -0.1, 0.1);
+    v[0] = tt_rand(DSK_BF16, 1, SH(n), 0, 0.01);
+    for (int t = 0; t < 2; t++) {
+        co.n_threads = t + 1;
+        DSK_TEST_OK(dsk_ctx_init(&ctx[t], &co));
+        if (t) {
+            p[1] = tt_new(DSK_F32, 1, SH(n));
+            m[1] = tt_new(DSK_BF16, 1, SH(n));
+            v[1] = tt_new(DSK_BF16, 1, SH(n));
+            DSK_TEST_OK(dsk_tensor_copy(NULL, p[1], p[0]));
+            DSK_TEST_OK(dsk_tensor_copy(NULL, m[1], m[0]));
+            DSK_TEST_OK(dsk_tensor_copy(NULL, v[1], v[0]));
+        }
+        c[t] = tt_poisoned(DSK_F16, 1, SH(n));
+    }
+    for (int64_t step = 1; step <= 300 && same; step++)
+        for (int t = 0; t < 2; t++) {
+            DSK_TEST_OK(dsk_adamw_step(&ctx[t], p[t], g, m[t], v[t], &o, step, 0.5f, c[t]));
+            if (t)
+                same = !memcmp(p[0]->data, p[1]->data, dsk_tensor_nbytes(p[0])) &&
+                       !memcmp(m[0]->data, m[1]->data, dsk_tensor_nbytes(m[0])) &&
+                       !memcmp(v[0]->data, v[1]->data, dsk_tensor_nbytes(v[0])) &&
+                       !memcmp(c[0]->data, c[1]->data, dsk_tensor_nbytes(c[0]));
+        }
+    DSK_TEST_EXPECT(same, "param, m, v and the f16 copy after up to 300 steps on 1 and on 2 threads differ");
+    dsk_ctx_free(&ctx[0]);
+    dsk_ctx_free(&ctx[1]);
+}
+
 /* Signed zeros tie (lower index first), infinities rank at the ends, NaN below -Inf. */
 static void test_topk_special(void) {
     static const float row[8] = {0.0f, -INFINITY, NAN, -0.0f, INFINITY, 0.0f, NAN, -1.0f};
@@ -3468,6 +3511,8 @@ int main(void) {
     test_adamw_bf16_moments();
     TT_CASE("embedding backward, rmsnorm dw, reduce: same bits on 1, 2, 3 threads"); test_reductions_thread_independent();
     TT_CASE("topk signed zeros, infinities, NaN"); test_topk_special();
+    TT_CASE("AdamW (bf16 moments, f16 copy): same bits on 1 and 2 threads, 300 steps");
+    test_adamw_threads();
     TT_CASE("group_by_key: stable counting sort, keys left out"); test_group_by_key();
     TT_CASE("swiglu_grouped + backward f32 (a thread per segment) vs float64"); test_swiglu_grouped(DSK_F32);
     TT_CASE("swiglu_grouped + backward bf16 (grouped GEMMs) vs float64"); test_swiglu_grouped(DSK_BF16);
