@@ -3369,11 +3369,23 @@ DSK_API dsk_status dsk_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, co
 
 #define DSK__COL_CHUNK 64
 
+/* acc[j] += dy[j] (x[j] rstd) in f64: one row's share of RMSNorm's weight gradient. */
+static void dsk__rms_dw_row(double *acc, const float *dy, const float *x, float rstd, int64_t n) {
+    DSK__OMP(simd)
+    for (int64_t j = 0; j < n; j++) acc[j] += (double)dy[j] * (x[j] * rstd);
+}
+/* dw[j0 + j] += acc[j], rounded to dw's dtype once (buf: n floats for a half dw). */
+static void dsk__rms_dw_add(dsk_tensor *dw, const double *acc, int64_t j0, int64_t n, float *buf) {
+    float *dwr = dsk__row_acc(dw, j0, n, buf);
+    for (int64_t j = 0; j < n; j++) dwr[j] = (float)(dwr[j] + acc[j]);
+    dsk__row_out_done(dw, j0, n, dwr);
+}
+
 DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw, const dsk_tensor *dy, const dsk_tensor *x,
                                         const dsk_tensor *w, const dsk_tensor *rstd) {
     const char *fn = "dsk_rmsnorm_backward";
     int cuda, half;
-    int64_t R, D, n_chunks;
+    int64_t R, D, nt, per;
     const float *rs;
     float *scratch;
     dsk_status s;
@@ -3402,12 +3414,16 @@ DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor
     DSK__CUDA_PATH(cuda, dsk_cuda_rmsnorm_backward(ctx, dx, dw, dy, x, w, rstd));
     rs = (const float *)rstd->data;
     half = x->dtype != DSK_F32;
-    if (!(scratch = dsk__scratch(fn, ctx, half ? 4 * D : D, &s))) return s;
+    nt = R * D > DSK__PAR_MIN ? dsk__threads(ctx) : 1;
+    per = 2 * D + dsk__round_up(half ? 4 * D : D, 2); /* dw's f64 sums first (8-byte aligned), then rows */
+    if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
     if (dx) {
-        /* xh = x rstd, g = dy w: dx += rstd (g - xh mean(g xh)) */
-        DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * D > DSK__PAR_MIN))
+        /* xh = x rstd, g = dy w: dx += rstd (g - xh mean(g xh)); on one thread dw's sums ride along */
+        double *acc = dw && nt == 1 ? (double *)scratch : NULL;
+        if (acc) memset(acc, 0, (size_t)D * sizeof *acc);
+        DSK__OMP(parallel for schedule(static) num_threads(nt) if (nt > 1))
         for (int64_t r = 0; r < R; r++) {
-            float *buf = scratch + (half ? 4 * D : D) * dsk__thread_id(), *g = buf + (half ? 3 * D : 0);
+            float *buf = scratch + per * dsk__thread_id() + 2 * D, *g = buf + (half ? 3 * D : 0);
             const float *xr = dsk__row_in(x, r * D, D, buf), *dyr = dsk__row_in(dy, r * D, D, buf + D), *wr;
             float *dxr, c;
             wr = dsk__row_in(w, 0, D, g); /* g doubles as w's buffer until it is written */
@@ -3418,27 +3434,25 @@ DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor
             DSK__OMP(simd)
             for (int64_t j = 0; j < D; j++) dxr[j] += rs[r] * (g[j] - xr[j] * c);
             dsk__row_out_done(dx, r * D, D, dxr);
+            if (acc) dsk__rms_dw_row(acc, dyr, xr, rs[r], D);
         }
+        if (acc) dsk__rms_dw_add(dw, acc, 0, D, scratch + 2 * D);
+        dw = acc ? NULL : dw;
     }
     if (dw) {
-        /* Columns split across threads; each column sums its rows in order, in f64. */
-        n_chunks = (D + DSK__COL_CHUNK - 1) / DSK__COL_CHUNK;
-        DSK__OMP(parallel for schedule(static) num_threads(dsk__threads(ctx)) if (R * D > DSK__PAR_MIN))
+        /* A contiguous range of columns per thread, read row by row; each column sums its rows in
+           order, in f64, so the bits do not depend on the split. */
+        int64_t cw = dsk__round_up((D + nt - 1) / nt, 8), n_chunks = (D + cw - 1) / cw;
+        DSK__OMP(parallel for schedule(static) num_threads(nt) if (nt > 1))
         for (int64_t c = 0; c < n_chunks; c++) {
-            double acc[DSK__COL_CHUNK];
-            float bx[DSK__COL_CHUNK], bdy[DSK__COL_CHUNK], bdw[DSK__COL_CHUNK];
-            int64_t j0 = c * DSK__COL_CHUNK, nj = D - j0 < DSK__COL_CHUNK ? D - j0 : DSK__COL_CHUNK;
-            float *dwr;
-            for (int64_t j = 0; j < nj; j++) acc[j] = 0.0;
-            for (int64_t r = 0; r < R; r++) {
-                const float *xr = dsk__row_in(x, r * D + j0, nj, bx), *dyr = dsk__row_in(dy, r * D + j0, nj, bdy);
-                float rr = rs[r];
-                DSK__OMP(simd)
-                for (int64_t j = 0; j < nj; j++) acc[j] += (double)dyr[j] * (xr[j] * rr);
-            }
-            dwr = dsk__row_acc(dw, j0, nj, bdw);
-            for (int64_t j = 0; j < nj; j++) dwr[j] = (float)(dwr[j] + acc[j]);
-            dsk__row_out_done(dw, j0, nj, dwr);
+            double *acc = (double *)(scratch + per * dsk__thread_id());
+            float *buf = scratch + per * dsk__thread_id() + 2 * D;
+            int64_t j0 = c * cw, nj = D - j0 < cw ? D - j0 : cw;
+            memset(acc, 0, (size_t)nj * sizeof *acc);
+            for (int64_t r = 0; r < R; r++)
+                dsk__rms_dw_row(acc, dsk__row_in(dy, r * D + j0, nj, buf + D), dsk__row_in(x, r * D + j0, nj, buf),
+                                rs[r], nj);
+            dsk__rms_dw_add(dw, acc, j0, nj, buf);
         }
     }
     DSK_FREE(scratch);

@@ -2297,7 +2297,7 @@ static void test_matmul_half_shapes(dsk_dtype dt, int ta, int tb) {
 static void test_reductions_thread_independent(void) {
     dsk_tensor *dout = tt_rand(DSK_F32, 2, SH(4000, 70), -1, 1), *ids = tt_ids(1, SH(4000), 17), *x = tt_rand(DSK_F32, 2, SH(4000, 70), -1, 1);
     dsk_tensor *w = tt_rand(DSK_F32, 1, SH(70), 0.5, 1.5), *rstd = tt_new(DSK_F32, 1, SH(4000)), *y = tt_new(DSK_F32, 2, SH(4000, 70));
-    dsk_tensor *tab[3], *dw[3], *red[3];
+    dsk_tensor *dx0 = tt_rand(DSK_F32, 2, SH(4000, 70), -1, 1), *tab[3], *dw[3], *red[3], *dx[3], *dw_dx[3];
     for (int t = 0; t < 3; t++) {
         dsk_ctx ctx;
         dsk_ctx_opts o;
@@ -2313,8 +2313,16 @@ static void test_reductions_thread_independent(void) {
         DSK_TEST_OK(dsk_embedding_backward(&ctx, tab[t], dout, ids));
         DSK_TEST_OK(dsk_rmsnorm(&ctx, y, rstd, x, w, 1e-6f));
         DSK_TEST_OK(dsk_rmsnorm_backward(&ctx, NULL, dw[t], dout, x, w, rstd));
+        /* with dx too: one thread sums dw in dx's pass over the rows, more split its columns */
+        dx[t] = tt_new(DSK_F32, 2, SH(4000, 70));
+        memcpy(dx[t]->data, dx0->data, dsk_tensor_nbytes(dx0));
+        dw_dx[t] = tt_new(DSK_F32, 1, SH(70));
+        memset(dw_dx[t]->data, 0, dsk_tensor_nbytes(dw_dx[t]));
+        DSK_TEST_OK(dsk_rmsnorm_backward(&ctx, dx[t], dw_dx[t], dout, x, w, rstd));
+        DSK_TEST_SAME_BYTES(dw[0]->data, dw_dx[t]->data, dsk_tensor_nbytes(dw[0]), "rmsnorm dw beside dx");
         DSK_TEST_OK(dsk_reduce(&ctx, red[t], x, 0, DSK_REDUCE_SUM));
         if (t) {
+            DSK_TEST_SAME_BYTES(dx[0]->data, dx[t]->data, dsk_tensor_nbytes(dx[0]), "rmsnorm dx");
             DSK_TEST_SAME_BYTES(tab[0]->data, tab[t]->data, dsk_tensor_nbytes(tab[0]), "embedding backward");
             DSK_TEST_SAME_BYTES(dw[0]->data, dw[t]->data, dsk_tensor_nbytes(dw[0]), "rmsnorm dw");
             DSK_TEST_SAME_BYTES(red[0]->data, red[t]->data, dsk_tensor_nbytes(red[0]), "reduce sum over rows");
