@@ -3367,8 +3367,6 @@ DSK_API dsk_status dsk_rmsnorm(dsk_ctx *ctx, dsk_tensor *y, dsk_tensor *rstd, co
     return DSK_OK;
 }
 
-#define DSK__COL_CHUNK 64
-
 /* acc[j] += dy[j] (x[j] rstd) in f64: one row's share of RMSNorm's weight gradient. */
 static void dsk__rms_dw_row(double *acc, const float *dy, const float *x, float rstd, int64_t n) {
     DSK__OMP(simd)
@@ -3384,7 +3382,7 @@ static void dsk__rms_dw_add(dsk_tensor *dw, const double *acc, int64_t j0, int64
 DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor *dw, const dsk_tensor *dy, const dsk_tensor *x,
                                         const dsk_tensor *w, const dsk_tensor *rstd) {
     const char *fn = "dsk_rmsnorm_backward";
-    int cuda, half;
+    int cuda, half, fused;
     int64_t R, D, nt, per;
     const float *rs;
     float *scratch;
@@ -3415,12 +3413,13 @@ DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor
     rs = (const float *)rstd->data;
     half = x->dtype != DSK_F32;
     nt = R * D > DSK__PAR_MIN ? dsk__threads(ctx) : 1;
+    fused = dx && dw && nt == 1;
     per = 2 * D + dsk__round_up(half ? 4 * D : D, 2); /* dw's f64 sums first (8-byte aligned), then rows */
     if (!(scratch = dsk__scratch(fn, ctx, per, &s))) return s;
     if (dx) {
         /* xh = x rstd, g = dy w: dx += rstd (g - xh mean(g xh)); on one thread dw's sums ride along */
-        double *acc = dw && nt == 1 ? (double *)scratch : NULL;
-        if (acc) memset(acc, 0, (size_t)D * sizeof *acc);
+        double *acc = fused ? (double *)scratch : NULL;
+        if (fused) memset(acc, 0, (size_t)D * sizeof *acc);
         DSK__OMP(parallel for schedule(static) num_threads(nt) if (nt > 1))
         for (int64_t r = 0; r < R; r++) {
             float *buf = scratch + per * dsk__thread_id() + 2 * D, *g = buf + (half ? 3 * D : 0);
@@ -3434,12 +3433,11 @@ DSK_API dsk_status dsk_rmsnorm_backward(dsk_ctx *ctx, dsk_tensor *dx, dsk_tensor
             DSK__OMP(simd)
             for (int64_t j = 0; j < D; j++) dxr[j] += rs[r] * (g[j] - xr[j] * c);
             dsk__row_out_done(dx, r * D, D, dxr);
-            if (acc) dsk__rms_dw_row(acc, dyr, xr, rs[r], D);
+            if (fused) dsk__rms_dw_row(acc, dyr, xr, rs[r], D);
         }
-        if (acc) dsk__rms_dw_add(dw, acc, 0, D, scratch + 2 * D);
-        dw = acc ? NULL : dw;
+        if (fused) dsk__rms_dw_add(dw, acc, 0, D, scratch + 2 * D);
     }
-    if (dw) {
+    if (dw && !fused) {
         /* A contiguous range of columns per thread, read row by row; each column sums its rows in
            order, in f64, so the bits do not depend on the split. */
         int64_t cw = dsk__round_up((D + nt - 1) / nt, 8), n_chunks = (D + cw - 1) / cw;
@@ -3538,6 +3536,8 @@ DSK_API dsk_status dsk_swiglu_backward(dsk_ctx *ctx, dsk_tensor *dgate, dsk_tens
 }
 
 /* ---------------------------------------------------------------- rows by index */
+
+#define DSK__COL_CHUNK 64
 
 /* dst (R, D) row idx[i] += src (N, D) row i for i = 0..N-1 in order. Threads split the
    columns, so each element accumulates in index order whatever the thread count. */
