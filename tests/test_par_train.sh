@@ -235,17 +235,22 @@ fi
 # in f32 replaying the same routing is the trajectory without any bf16 rounding; a layout is
 # another bf16 rounding of that trajectory of the same size, so by the triangle inequality its
 # distance from one rank's bf16 run is at most twice one rank's bf16-to-f32 distance. Measured as
-# the RMS over the logged losses (30 steps, 3 validations) of the relative difference (the max of
-# 33 such numbers is noisier), and as the worst per-tensor relative L2 difference of the final
-# weights. A layout that trains a part wrongly misses it by far (norm weights whose gradients
-# never reach the optimizer: a loss RMS 35 times the bound).
+# the RMS over the 30 training losses of the relative difference (the max of 30 such numbers is
+# noisier), and as the worst per-tensor relative L2 difference of the final weights. A layout that
+# trains a part wrongly misses it (norm weights whose gradients never reach the optimizer: a loss
+# RMS 35 times the bound; replicated weights' gradients not summed over tp: 1.6-2.4 times).
+# The validation losses are left out: at this model they hinge on the embedding rows of bytes
+# rare in training, whose AdamW steps take their size from the step, not from gradients that sit
+# at rounding level, so a change of rounding anywhere (a dot's summation order) moved one by 0.2%
+# while every training loss moved by 1e-4 and the weights by 0.014% in L2. They are no layout's
+# test here: the f32 layouts above compare them within 1e-5 and pp2 in bf16 bit for bit.
 run one_f32b "${TINY[@]}" --steps 30 --log "$work/one_f32b.jsonl" --ckpt-dir "$work/ck_one_f32b" \
     --routing-replay "$work/routes_bf16.bin"
-loss_rms() { # RMS of the relative difference of the common logged losses (at least $3), or an error
+loss_rms() { # RMS of the relative difference of the common training losses (at least $3), or an error
     $PYS - "$work/$1.jsonl" "$work/$2.jsonl" "$3" <<'EOF'
 import json, math, sys
 def rows(p):
-    return {(r["type"], r["step"]): r["loss" if r["type"] == "step" else "val_loss"] for r in map(json.loads, open(p))}
+    return {r["step"]: r["loss"] for r in map(json.loads, open(p)) if r["type"] == "step"}
 a, b = rows(sys.argv[1]), rows(sys.argv[2])
 common = sorted(set(a) & set(b))
 if len(common) < int(sys.argv[3]) or any(a[k] is None or b[k] is None for k in common):
@@ -253,7 +258,7 @@ if len(common) < int(sys.argv[3]) or any(a[k] is None or b[k] is None for k in c
 print("%.3g" % math.sqrt(sum(((a[k] - b[k]) / a[k]) ** 2 for k in common) / len(common)))
 EOF
 }
-d_loss=$( [ "$(rc one_bf16)" -eq 0 ] && [ "$(rc one_f32b)" -eq 0 ] && loss_rms one_bf16 one_f32b 33)
+d_loss=$( [ "$(rc one_bf16)" -eq 0 ] && [ "$(rc one_f32b)" -eq 0 ] && loss_rms one_bf16 one_f32b 30)
 read -r _ _ d_w _ < <($PY tests/par_ckpt_compare.py "$work/ck_one_bf16" "$work/ck_one_f32b" 2>&1)
 bound_loss=$($PYS -c "print('%.3g' % (2 * float('$d_loss')))" 2>/dev/null)
 bound_w=$($PYS -c "print('%.3g' % (2 * float('${d_w:-x}')))" 2>/dev/null)
@@ -281,7 +286,7 @@ for spec in "${BF_LAYOUTS[@]}"; do
         bad "$what" "exit $(rc "$name")" "$(grep -E 'rank|error' "$work/$name.out" | tail -3)"
         continue
     fi
-    loss=$(loss_rms one_bf16 "$name" 33)
+    loss=$(loss_rms one_bf16 "$name" 30)
     read -r _ _ pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_one_bf16" "$work/ck_$name" 2>&1)
     if within "$loss" "$bound_loss" && within "${pl2:-x}" "$bound_w" && grep -qF "CPU, bf16" "$work/$name.out"; then
         ok "$what (loss RMS $loss <= $bound_loss; weights L2 $pl2 in $pl2_at <= $bound_w)"
@@ -364,11 +369,11 @@ if [ "$(rc mla1_bf16)" -ne 0 ] || [ "$(rc mla1_f32b)" -ne 0 ] || [ "$(rc mla4_bf
     bad "$what" "exit $(rc mla1_bf16)/$(rc mla1_f32b)/$(rc mla4_bf16)" \
         "$(grep -E 'rank|error' "$work/mla4_bf16.out" | tail -3)"
 else
-    d_loss=$(loss_rms mla1_bf16 mla1_f32b 11)
+    d_loss=$(loss_rms mla1_bf16 mla1_f32b 10)
     read -r _ _ d_w _ < <($PY tests/par_ckpt_compare.py "$work/ck_mla1_bf16" "$work/ck_mla1_f32b" 2>&1)
     b_loss=$($PYS -c "print('%.3g' % (2 * float('$d_loss')))" 2>/dev/null)
     b_w=$($PYS -c "print('%.3g' % (2 * float('${d_w:-x}')))" 2>/dev/null)
-    loss=$(loss_rms mla1_bf16 mla4_bf16 11)
+    loss=$(loss_rms mla1_bf16 mla4_bf16 10)
     read -r _ _ pl2 pl2_at _ < <($PY tests/par_ckpt_compare.py "$work/ck_mla1_bf16" "$work/ck_mla4_bf16" 2>&1)
     if [ -n "$b_loss" ] && [ -n "$b_w" ] && within "$loss" "$b_loss" && within "${pl2:-x}" "$b_w"; then
         ok "$what (loss RMS $loss <= $b_loss; weights L2 $pl2 in $pl2_at <= $b_w)"
