@@ -239,11 +239,11 @@ fi
 # noisier), and as the worst per-tensor relative L2 difference of the final weights. A layout that
 # trains a part wrongly misses it (norm weights whose gradients never reach the optimizer: a loss
 # RMS 35 times the bound; replicated weights' gradients not summed over tp: 1.6-2.4 times).
-# The validation losses are left out: at this model they hinge on the embedding rows of bytes
-# rare in training, whose AdamW steps take their size from the step, not from gradients that sit
-# at rounding level, so a change of rounding anywhere (a dot's summation order) moved one by 0.2%
-# while every training loss moved by 1e-4 and the weights by 0.014% in L2. They are no layout's
-# test here: the f32 layouts above compare them within 1e-5 and pp2 in bf16 bit for bit.
+# The validation losses are left out: at this model they are not smooth in the weights. A change
+# of rounding (a dot's summation order) moved one by 0.2% while every training loss moved by 1e-4
+# and the weights by 0.014% in L2, and the mutant above moved it by the same 0.2%: it tells a
+# rounding from a bug no better than chance. The f32 layouts above compare them within 1e-5, and
+# pp2 in bf16 bit for bit.
 run one_f32b "${TINY[@]}" --steps 30 --log "$work/one_f32b.jsonl" --ckpt-dir "$work/ck_one_f32b" \
     --routing-replay "$work/routes_bf16.bin"
 loss_rms() { # RMS of the relative difference of the common training losses (at least $3), or an error
