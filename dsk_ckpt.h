@@ -2838,7 +2838,10 @@ static dsk_status dsk__ckpt_load_agreed_newest(const char *fn, dsk_ckpt *ck, con
         if (ls == DSK_OK && count && !(list = (dsk_ckpt_info *)DSK_MALLOC((size_t)count * sizeof *list)))
             ls = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
         if (ls == DSK_OK && count) ls = dsk_ckpt_list(ck->dir, list, count, &count);
-        if (ls != DSK_OK) snprintf(msg, sizeof msg, "%s", dsk_last_error());
+        if (ls != DSK_OK) {
+            count = 0; /* list may be NULL: rank 0 offers its error, no candidate */
+            snprintf(msg, sizeof msg, "%s", dsk_last_error());
+        }
     }
     for (int k = 0;; k++) {
         int64_t w[3] = {0, 0, 0};
