@@ -2783,7 +2783,7 @@ static dsk_status dsk__ckpt_report_skipped(const char *fn, const char *root, dsk
 static dsk_status dsk__ckpt_load_newest(const char *fn, dsk_ckpt *ck, const dsk_ckpt_entry *entries, int n,
                                         dsk_ckpt_meta *meta) {
     dsk_ckpt_info *list = NULL;
-    int count = 0, skipped = 0;
+    int count = 0, cap, skipped = 0;
     int64_t skipped_step = -1;
     char first[1024] = "";
     dsk_status s;
@@ -2791,7 +2791,9 @@ static dsk_status dsk__ckpt_load_newest(const char *fn, dsk_ckpt *ck, const dsk_
     if (!count) return dsk__ckpt_none_complete(fn, ck->dir);
     if (!(list = (dsk_ckpt_info *)DSK_MALLOC((size_t)count * sizeof *list)))
         return dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-    s = dsk_ckpt_list(ck->dir, list, count, &count);
+    cap = count;
+    s = dsk_ckpt_list(ck->dir, list, cap, &count);
+    if (count > cap) count = cap; /* saves completed since the count: list holds the cap most recent */
     for (int k = 0; k < count && s == DSK_OK; k++) {
         if (meta) memset(meta, 0, sizeof *meta);
         s = dsk__ckpt_load_step(fn, ck, list[k].step, entries, n, meta);
@@ -2829,7 +2831,7 @@ static dsk_status dsk__ckpt_load_agreed_step(const char *fn, dsk_ckpt *ck, int64
 static dsk_status dsk__ckpt_load_agreed_newest(const char *fn, dsk_ckpt *ck, const dsk_ckpt_entry *entries, int n,
                                                dsk_ckpt_meta *meta) {
     dsk_ckpt_info *list = NULL;
-    int count = 0, skipped = 0;
+    int count = 0, cap = 0, skipped = 0;
     int64_t skipped_step = -1;
     char first[1024] = "", msg[1024] = "";
     dsk_status s = DSK_OK, ls = DSK_OK;
@@ -2837,7 +2839,8 @@ static dsk_status dsk__ckpt_load_agreed_newest(const char *fn, dsk_ckpt *ck, con
         ls = dsk_ckpt_list(ck->dir, NULL, 0, &count);
         if (ls == DSK_OK && count && !(list = (dsk_ckpt_info *)DSK_MALLOC((size_t)count * sizeof *list)))
             ls = dsk_set_error(DSK_ERR_OOM, "%s: out of memory", fn);
-        if (ls == DSK_OK && count) ls = dsk_ckpt_list(ck->dir, list, count, &count);
+        if (ls == DSK_OK && count) ls = dsk_ckpt_list(ck->dir, list, cap = count, &count);
+        if (ls == DSK_OK && count > cap) count = cap; /* saves completed since the count */
         if (ls != DSK_OK) {
             count = 0; /* list may be NULL: rank 0 offers its error, no candidate */
             snprintf(msg, sizeof msg, "%s", dsk_last_error());
