@@ -1365,8 +1365,8 @@ static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
     zi->u = (dsk__zero_u *)DSK_MALLOC((size_t)n * sizeof *zi->u);
     zi->qcap = 2 * (int64_t)n + 2;
     zi->q = (dsk__zero_op *)DSK_MALLOC((size_t)zi->qcap * sizeof *zi->q);
+    if (zi->p) memset(zi->p, 0, (size_t)n * sizeof *zi->p); /* dsk_zero_free reads it, on failure too */
     if (!zi->p || !zi->u || !zi->q) return dsk_set_error(DSK_ERR_OOM, "%s: tables for %d parameters", fn, n);
-    memset(zi->p, 0, (size_t)n * sizeof *zi->p);
     memset(zi->u, 0, (size_t)n * sizeof *zi->u);
     DSK__TRY(dsk__zero_take_params(fn, z, params, n));
     dsk__zero_layout(z);
@@ -1464,9 +1464,10 @@ DSK_API dsk_status dsk_zero_plan(const dsk_zero_param *params, int n, int world_
     z.n_params = n;
     zi->p = (dsk__zero_p *)DSK_MALLOC((size_t)n * sizeof *zi->p);
     zi->u = (dsk__zero_u *)DSK_MALLOC((size_t)n * sizeof *zi->u);
-    st = zi->p && zi->u ? DSK_OK : dsk_set_error(DSK_ERR_OOM, "%s: tables for %d parameters", fn, n);
-    if (st == DSK_OK) {
-        memset(zi->p, 0, (size_t)n * sizeof *zi->p);
+    if (zi->p) memset(zi->p, 0, (size_t)n * sizeof *zi->p); /* dsk_zero_free reads it, on failure too */
+    if (!zi->p || !zi->u) {
+        st = dsk_set_error(DSK_ERR_OOM, "%s: tables for %d parameters", fn, n);
+    } else {
         memset(zi->u, 0, (size_t)n * sizeof *zi->u);
         st = dsk__zero_check_opts(fn, &zi->o, NULL);
     }
