@@ -57,7 +57,7 @@ MODULES  = tensor comm moe amp ckpt par zero plan
 LIB      = $(BUILD)/libdsk.a
 LIB_LINK = -Wl,--start-group $(LIB) $(KLINK) -Wl,--end-group
 DEPS     = $(HEADERS) $(LIB) $(KLINK) $(CONFIG)
-SELF_IMPL = $(BUILD)/tests/test_tensor
+SELF_IMPL = $(BUILD)/tests/test_tensor $(BUILD)/tests/test_oom
 
 # tests/trainer/: the tests of the example trainer's own code (its model), not of a library module.
 TESTS     = $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c tests/trainer/test_*.c))

@@ -975,7 +975,7 @@ static int dsk__ckpt_meta_hash(const dsk_safetensors_file *f, const char *prefix
 }
 
 /* The box a rank file records for a tensor ("dsk.box.<name>"): 1 found and valid, 0 absent
-   (the whole tensor), -1 malformed, outside its whole tensor, or out of memory. */
+   (the whole tensor), -1 malformed or outside its whole tensor, -2 out of memory. */
 static int dsk__ckpt_box_of(const dsk_safetensors_file *f, const dsk_safetensors_info *t, int64_t *off,
                             int64_t *global) {
     dsk__st_buf kb;
@@ -987,7 +987,7 @@ static int dsk__ckpt_box_of(const dsk_safetensors_file *f, const dsk_safetensors
     v = kb.oom ? NULL : dsk_safetensors_meta(f, kb.p);
     memset(off, 0, DSK_MAX_DIMS * sizeof *off);
     memcpy(global, t->shape, DSK_MAX_DIMS * sizeof *global);
-    if (kb.oom) r = -1;
+    if (kb.oom) r = -2;
     else if (!v) r = 0;
     else if (!dsk__ckpt_parse_box(v, t->ndim, off, global) || dsk__st_numel(t->ndim, global) < 0) r = -1;
     for (int d = 0; r == 1 && d < t->ndim; d++)
@@ -1013,12 +1013,12 @@ static const char *dsk__ckpt_key_name(const dsk_safetensors_file *f, const char 
 }
 
 /* Whether a rank file may hold the box at `off` of tensor `name` under `key`: the name
-   itself, or "<name>@<offset>" (0 too when out of memory). */
+   itself, or "<name>@<offset>" (1 yes, 0 no, -1 out of memory). */
 static int dsk__ckpt_key_fits(const char *key, const char *name, int ndim, const int64_t *off) {
     char *want;
     int ok;
     if (strcmp(key, name) == 0) return 1;
-    if (!(want = dsk__ckpt_box_key(name, ndim, off))) return 0;
+    if (!(want = dsk__ckpt_box_key(name, ndim, off))) return -1;
     ok = strcmp(want, key) == 0;
     DSK_FREE(want);
     return ok;
@@ -1411,7 +1411,8 @@ static dsk_status dsk__ckpt_file_pieces(const char *fn, const dsk_safetensors_fi
     for (int i = 0; i < f->n_tensors; i++) {
         const dsk_safetensors_info *t = &f->tensors[i];
         dsk__ckpt_piece *pc = &out[(*np)++];
-        int k = dsk__ckpt_box_of(f, t, pc->off, pc->global);
+        int k = dsk__ckpt_box_of(f, t, pc->off, pc->global), fits;
+        if (k == -2) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory reading \"%s\"", fn, f->path);
         if (k < 0)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.box.%s is malformed or outside its tensor", fn,
                                  f->path, t->name);
@@ -1419,13 +1420,12 @@ static dsk_status dsk__ckpt_file_pieces(const char *fn, const dsk_safetensors_fi
             return dsk_set_error(DSK_ERR_CORRUPT,
                                  "%s: whole tensor \"%s\" found in rank %d's file (only rank 0 writes it)", fn, t->name,
                                  rank);
-        pc->name = dsk__ckpt_key_name(f, t->name);
-        if (!pc->name || (k == 0 && strcmp(pc->name, t->name) != 0) ||
-            !dsk__ckpt_key_fits(t->name, pc->name, t->ndim, pc->off))
-            return dsk_set_error(DSK_ERR_CORRUPT,
-                                 "%s: \"%s\": dsk.name.%s does not fit its key and box (or out of "
-                                 "memory)",
-                                 fn, f->path, t->name);
+        if (!(pc->name = dsk__ckpt_key_name(f, t->name)) ||
+            (fits = dsk__ckpt_key_fits(t->name, pc->name, t->ndim, pc->off)) < 0)
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of memory reading \"%s\"", fn, f->path);
+        if ((k == 0 && strcmp(pc->name, t->name) != 0) || !fits)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.name.%s does not fit its key and box", fn, f->path,
+                                 t->name);
         pc->dtype = t->dtype_name;
         pc->ndim = t->ndim;
         memcpy(pc->ext, t->shape, sizeof pc->ext);
@@ -1457,7 +1457,7 @@ static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_safetensors_f
         const dsk__ckpt_mtensor *t;
         dsk__ckpt_piece *pc;
         uint64_t hash;
-        int k;
+        int k, fits = 1;
         char key[1100];
         if (strncmp(f->meta_keys[i], "dsk.reuse.", 10) != 0) continue;
         if (!dsk__ckpt_parse_hex64(f->meta_values[i], &hash))
@@ -1472,11 +1472,11 @@ static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_safetensors_f
         snprintf(key, sizeof key, "dsk.box.%s", fkey);
         if ((box = dsk_safetensors_meta(f, key)) != NULL && !dsk__ckpt_parse_box(box, t->ndim, pc->off, pc->global))
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s is malformed", fn, f->path, key);
-        if (strcmp(name, fkey) != 0 && (!box || !dsk__ckpt_key_fits(fkey, name, t->ndim, pc->off)))
-            return dsk_set_error(DSK_ERR_CORRUPT,
-                                 "%s: \"%s\": dsk.name.%s does not fit its key and box (or out of "
-                                 "memory)",
-                                 fn, f->path, fkey);
+        if (strcmp(name, fkey) != 0 && (fits = box ? dsk__ckpt_key_fits(fkey, name, t->ndim, pc->off) : 0) < 0)
+            return dsk_set_error(DSK_ERR_OOM, "%s: out of memory reading \"%s\"", fn, f->path);
+        if (strcmp(name, fkey) != 0 && !fits)
+            return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.name.%s does not fit its key and box", fn, f->path,
+                                 fkey);
         if (!box && rank != 0)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: whole tensor \"%s\" reused by rank %d (only rank 0 writes it)",
                                  fn, name, rank);
@@ -2636,6 +2636,7 @@ static dsk_status dsk__ckpt_find_piece(const char *fn, dsk_safetensors_file *f, 
                              f->path, dsk__st_desc(d1, sizeof d1, ft->ndim, ft->shape, ft->dtype_name), d3,
                              dsk__st_desc(d2, sizeof d2, t->ndim, t->shape, t->dt->name));
     b = dsk__ckpt_box_of(f, ft, off, global);
+    if (b == -2) return dsk_set_error(DSK_ERR_OOM, "%s: out of memory reading \"%s\"", fn, f->path);
     if (b < 0 || memcmp(off, sl->box, (size_t)t->ndim * sizeof(int64_t)) ||
         memcmp(global, t->shape, (size_t)t->ndim * sizeof(int64_t)))
         return dsk_set_error(DSK_ERR_CORRUPT,

@@ -1206,7 +1206,7 @@ static dsk_status dsk__zero_alloc_fp8(dsk_zero *z, dsk_ctx *ctx) {
     return zi->o.fp8_error_feedback ? dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->err), DSK_F32, zi->full, mem) : DSK_OK;
 }
 
-static dsk_status dsk__zero_alloc_all(dsk_zero *z, dsk_ctx *ctx) {
+static dsk_status dsk__zero_alloc_all(const char *fn, dsk_zero *z, dsk_ctx *ctx) {
     dsk__zero_impl *zi = z->impl;
     dsk_zero_memory *mem = &z->memory;
     dsk_dtype cdt = zi->o.compute_dtype;
@@ -1219,7 +1219,7 @@ static dsk_status dsk__zero_alloc_all(dsk_zero *z, dsk_ctx *ctx) {
     if (z->stage == 3) {
         zi->pbufs = (dsk_tensor *)DSK_MALLOC((size_t)zi->o.param_buffers * sizeof(dsk_tensor));
         zi->pbuf_owner = (int *)DSK_MALLOC((size_t)zi->o.param_buffers * sizeof(int));
-        if (!zi->pbufs || !zi->pbuf_owner) return dsk_set_error(DSK_ERR_OOM, "dsk_zero_init: buffer lists");
+        if (!zi->pbufs || !zi->pbuf_owner) return dsk_set_error(DSK_ERR_OOM, "%s: buffer lists", fn);
         memset(zi->pbufs, 0, (size_t)zi->o.param_buffers * sizeof(dsk_tensor));
         for (int i = 0; i < zi->o.param_buffers; i++) {
             zi->pbuf_owner[i] = -1;
@@ -1236,7 +1236,7 @@ static dsk_status dsk__zero_alloc_all(dsk_zero *z, dsk_ctx *ctx) {
         DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->rs_tmp), DSK_F32, zi->max_chunk, &mem->grads));
         zi->gbufs = (dsk_tensor *)DSK_MALLOC((size_t)zi->o.grad_buffers * sizeof(dsk_tensor));
         zi->gbuf_owner = (int *)DSK_MALLOC((size_t)zi->o.grad_buffers * sizeof(int));
-        if (!zi->gbufs || !zi->gbuf_owner) return dsk_set_error(DSK_ERR_OOM, "dsk_zero_init: buffer lists");
+        if (!zi->gbufs || !zi->gbuf_owner) return dsk_set_error(DSK_ERR_OOM, "%s: buffer lists", fn);
         memset(zi->gbufs, 0, (size_t)zi->o.grad_buffers * sizeof(dsk_tensor));
         for (int i = 0; i < zi->o.grad_buffers; i++) {
             zi->gbuf_owner[i] = -1;
@@ -1370,7 +1370,7 @@ static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
     memset(zi->u, 0, (size_t)n * sizeof *zi->u);
     DSK__TRY(dsk__zero_take_params(fn, z, params, n));
     dsk__zero_layout(z);
-    DSK__TRY(dsk__zero_alloc_all(z, ctx));
+    DSK__TRY(dsk__zero_alloc_all(fn, z, ctx));
     dsk__zero_bind_all(z);
     if (c && (st = dsk_comm_split(c, 0, c->rank, &zi->comm)) != DSK_OK) {
         char msg[1100];
@@ -1477,7 +1477,7 @@ DSK_API dsk_status dsk_zero_plan(const dsk_zero_param *params, int n, int world_
     for (int i = 0; zi->p && i < n; i++) zi->p[i].value = zi->p[i].grad = NULL; /* the caller's: never bound */
     if (st == DSK_OK) {
         dsk__zero_layout(&z);
-        st = dsk__zero_alloc_all(&z, NULL);
+        st = dsk__zero_alloc_all(fn, &z, NULL);
     }
     if (st == DSK_OK) {
         memset(out, 0, sizeof *out);
