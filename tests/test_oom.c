@@ -11,7 +11,8 @@ static long to_fail_at = -1; /* the allocation that fails; -1: none */
 static long to_count, to_live;
 static void *to_malloc(size_t n) {
     void *p;
-    if (__atomic_fetch_add(&to_count, 1, __ATOMIC_SEQ_CST) == __atomic_load_n(&to_fail_at, __ATOMIC_SEQ_CST)) return NULL;
+    if (__atomic_fetch_add(&to_count, 1, __ATOMIC_SEQ_CST) == __atomic_load_n(&to_fail_at, __ATOMIC_SEQ_CST))
+        return NULL;
     if ((p = malloc(n))) __atomic_fetch_add(&to_live, 1, __ATOMIC_SEQ_CST);
     return p;
 }
@@ -50,7 +51,8 @@ static long to_each_failure(const char *name, to_call call, void *arg) {
         __atomic_store_n(&to_fail_at, -1, __ATOMIC_SEQ_CST);
         left = __atomic_load_n(&to_live, __ATOMIC_SEQ_CST) - before;
         if (__atomic_load_n(&to_count, __ATOMIC_SEQ_CST) <= k) { /* every allocation succeeded */
-            DSK_TEST_EXPECT(st == DSK_OK, "%s with no allocation failing: status %d, %s", name, (int)st, dsk_last_error());
+            DSK_TEST_EXPECT(st == DSK_OK, "%s with no allocation failing: status %d, %s", name, (int)st,
+                            dsk_last_error());
             DSK_TEST_EXPECT(left == 0, "%s with no allocation failing left %ld allocations", name, left);
             DSK_TEST_EXPECT(k > 0, "%s allocated nothing: the run proves nothing", name);
             return failed;
@@ -59,8 +61,8 @@ static long to_each_failure(const char *name, to_call call, void *arg) {
         DSK_TEST_EXPECT(st == DSK_OK || (st == DSK_ERR_OOM && dsk_last_error()[0]),
                         "%s, allocation %ld failing: status %d, \"%s\" (want DSK_ERR_OOM and a message)", name, k,
                         (int)st, dsk_last_error());
-        DSK_TEST_EXPECT(left == 0, "%s, allocation %ld failing (status %d): %ld allocations left behind", name, k, (int)st,
-                        left);
+        DSK_TEST_EXPECT(left == 0, "%s, allocation %ld failing (status %d): %ld allocations left behind", name, k,
+                        (int)st, left);
         if (dsk_test_g.checks_failed_total > checks_failed) return failed; /* one report, not one per k */
     }
 }
@@ -140,8 +142,8 @@ static dsk_status to_run_ckpt(void *arg) {
         memset(c->a.data, 0, 96 * sizeof(float));
         memset(c->b.data, 0, 40 * sizeof(float));
         st = dsk_ckpt_load(&ck, -1, c->e, 2, NULL);
-        if (st == DSK_OK && (memcmp(c->a.data, c->want[0], 96 * sizeof(float)) ||
-                             memcmp(c->b.data, c->want[1], 40 * sizeof(float))))
+        if (st == DSK_OK &&
+            (memcmp(c->a.data, c->want[0], 96 * sizeof(float)) || memcmp(c->b.data, c->want[1], 40 * sizeof(float))))
             st = dsk_set_error(DSK_ERR_CORRUPT, "dsk_ckpt_load: loaded values differ from the saved ones");
     } else {
         st = dsk_ckpt_save(&ck, 7, c->e, 2, &kv, 1);
