@@ -2,8 +2,11 @@
    replaced: the k-th from the call's start returns NULL, the others succeed), for k = 0, 1, ...
    until a run reaches no failure. Each failed run must return DSK_ERR_OOM with a message (no
    other status in its place: an allocation failure is not a damaged file), or succeed, and
-   leave behind no allocation it made (DSK_FREE counted): out of memory loses nothing. Covers dsk_zero_plan, dsk_zero_init (a failure inside it used to free a table
-   it had not zeroed), and a checkpoint's init, save, load of the newest step and free. */
+   leave behind no allocation it made (DSK_FREE counted): out of memory loses nothing. Covers
+   dsk_zero_plan, dsk_zero_init (a failure inside it used to free a table it had not zeroed),
+   a MoE layer's init, binding, forward and backward on the CPU (a run that succeeds gives the
+   bits of one without failures), and a checkpoint's init, save, load of the newest step and
+   free. */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #include <stdlib.h>
 /* Counted from each run's start; the background threads of a save allocate too, hence atomics. */
@@ -27,8 +30,10 @@ static void to_free(void *p) {
 #define DSK_AMP_IMPLEMENTATION
 #define DSK_ZERO_IMPLEMENTATION
 #define DSK_CKPT_IMPLEMENTATION
+#define DSK_MOE_IMPLEMENTATION
 #include "dsk_zero.h"
 #include "dsk_ckpt.h"
+#include "dsk_moe.h"
 #include "tests/dsk_test.h"
 
 #include <stdio.h>
@@ -122,6 +127,85 @@ static void case_zero(int stage) {
     dsk_test_end();
 }
 
+/* ---- the MoE layer on the CPU: init, slabs bound, parameters drawn, forward, backward, free */
+
+#define TO_T 24
+#define TO_D 16
+typedef struct to_moe {
+    dsk_moe_opts o;
+    dsk_tensor x, dy;
+    float y_ref[TO_T * TO_D], dx_ref[TO_T * TO_D];
+    int have_ref;
+} to_moe;
+
+static dsk_status to_run_moe(void *arg) {
+    to_moe *t = (to_moe *)arg;
+    int64_t sx[2] = {TO_T, TO_D}, vb, gd, gs, ng;
+    dsk_tensor values, grads, y, dx;
+    dsk_moe m;
+    dsk_status st = dsk_moe_init(&m, NULL, &t->o);
+    if (st != DSK_OK) return st;
+    memset(&values, 0, sizeof values);
+    memset(&grads, 0, sizeof grads);
+    memset(&y, 0, sizeof y);
+    memset(&dx, 0, sizeof dx);
+    dsk_moe_slab_sizes(&m, &vb, &gd, &gs);
+    ng = gd + gs;
+    st = dsk_tensor_alloc(NULL, &values, DSK_U8, 1, &vb);
+    if (st == DSK_OK) st = dsk_tensor_alloc(NULL, &grads, DSK_F32, 1, &ng);
+    if (st == DSK_OK) st = dsk_tensor_alloc(NULL, &y, DSK_F32, 2, sx);
+    if (st == DSK_OK) st = dsk_tensor_alloc(NULL, &dx, DSK_F32, 2, sx);
+    if (st == DSK_OK) st = dsk_moe_bind_slabs(&m, NULL, &values, &grads);
+    if (st == DSK_OK) st = dsk_moe_init_params(&m, NULL);
+    if (st == DSK_OK) st = dsk_tensor_fill(NULL, &grads, 0.0);
+    if (st == DSK_OK) st = dsk_tensor_fill(NULL, &dx, 0.0); /* backward adds to it */
+    if (st == DSK_OK) st = dsk_moe_forward(&m, NULL, &y, &t->x, NULL);
+    if (st == DSK_OK) st = dsk_moe_backward(&m, NULL, &dx, &t->dy, 1.0f);
+    if (st == DSK_OK && !t->have_ref) {
+        memcpy(t->y_ref, y.data, sizeof t->y_ref);
+        memcpy(t->dx_ref, dx.data, sizeof t->dx_ref);
+        t->have_ref = 1;
+    } else if (st == DSK_OK &&
+               (memcmp(t->y_ref, y.data, sizeof t->y_ref) || memcmp(t->dx_ref, dx.data, sizeof t->dx_ref))) {
+        st = dsk_set_error(DSK_ERR_STATE, "dsk_moe: the outputs differ from the run without failures");
+    }
+    dsk_moe_free(&m, NULL);
+    dsk_tensor_free(NULL, &values);
+    dsk_tensor_free(NULL, &grads);
+    dsk_tensor_free(NULL, &y);
+    dsk_tensor_free(NULL, &dx);
+    return st;
+}
+
+static void case_moe(int capacity) {
+    to_moe t;
+    int64_t sx[2] = {TO_T, TO_D};
+    long failed;
+    dsk_test_begin("every allocation of a MoE layer's init, binding, forward and backward (CPU, %s) failing in turn: "
+                   "DSK_ERR_OOM, nothing left allocated, the same bits when it succeeds",
+                   capacity ? "capacity 1.0" : "dropless");
+    memset(&t, 0, sizeof t);
+    t.o.d_model = TO_D;
+    t.o.n_routed = 4;
+    t.o.top_k = 2;
+    t.o.d_expert = 8;
+    t.o.n_shared = 1;
+    t.o.score = DSK_MOE_SIGMOID;
+    t.o.capacity_factor = capacity ? 1.0f : 0.0f;
+    t.o.init_std = 0.5f;
+    t.o.seed = 3;
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &t.x, DSK_F32, 2, sx));
+    DSK_TEST_OK(dsk_tensor_alloc(NULL, &t.dy, DSK_F32, 2, sx));
+    dsk_test_fill_f32((float *)t.x.data, TO_T * TO_D, -1, 1);
+    dsk_test_fill_f32((float *)t.dy.data, TO_T * TO_D, -1, 1);
+    DSK_TEST_OK(to_run_moe(&t)); /* the reference bits */
+    failed = to_each_failure("dsk_moe", to_run_moe, &t);
+    DSK_TEST_EXPECT(failed > 0, "no run failed");
+    dsk_tensor_free(NULL, &t.x);
+    dsk_tensor_free(NULL, &t.dy);
+    dsk_test_end();
+}
+
 /* ---- checkpoints: one rank saves two tensors and loads the newest step back */
 
 typedef struct to_ckpt {
@@ -196,6 +280,8 @@ int main(void) {
     case_zero(0);
     case_zero(1);
     case_zero(3);
+    case_moe(0);
+    case_moe(1);
     case_ckpt();
     return dsk_test_finish();
 }
