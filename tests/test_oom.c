@@ -5,8 +5,8 @@
    leave behind no allocation it made (DSK_FREE counted): out of memory loses nothing. Covers
    dsk_zero_plan, dsk_zero_init (a failure inside it used to free a table it had not zeroed),
    a MoE layer's init, binding, forward and backward on the CPU (a run that succeeds gives the
-   bits of one without failures), and a checkpoint's init, save, load of the newest step and
-   free. */
+   bits of one without failures), the pipeline schedules and their simulated step time, and a
+   checkpoint's init, save, load of the newest step and free. */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #include <stdlib.h>
 /* Counted from each run's start; the background threads of a save allocate too, hence atomics. */
@@ -31,9 +31,11 @@ static void to_free(void *p) {
 #define DSK_ZERO_IMPLEMENTATION
 #define DSK_CKPT_IMPLEMENTATION
 #define DSK_MOE_IMPLEMENTATION
+#define DSK_PAR_IMPLEMENTATION
 #include "dsk_zero.h"
 #include "dsk_ckpt.h"
 #include "dsk_moe.h"
+#include "dsk_par.h"
 #include "tests/dsk_test.h"
 
 #include <stdio.h>
@@ -206,6 +208,45 @@ static void case_moe(int capacity) {
     dsk_test_end();
 }
 
+/* ---- pipeline schedules: every rank's list, paired and not, and the simulated step time */
+
+typedef struct to_sched {
+    dsk_par_schedule_kind kind;
+    int chunks;
+    double step_ref;
+} to_sched;
+
+static dsk_status to_run_schedules(void *arg) {
+    to_sched *t = (to_sched *)arg;
+    double fwd[8] = {1.0, 1.2, 0.9, 1.1, 1.0, 1.3, 0.8, 1.0}, bwd[8] = {2.0, 2.1, 1.9, 2.2, 2.0, 2.4, 1.7, 2.0}, step;
+    dsk_status st = DSK_OK;
+    for (int r = 0; r < 4 && st == DSK_OK; r++)
+        for (int paired = 0; paired < 2 && st == DSK_OK; paired++) {
+            dsk_par_schedule s;
+            st = paired ? dsk_par_schedule_init_paired(&s, t->kind, 4, 8, t->chunks, r)
+                        : dsk_par_schedule_init(&s, t->kind, 4, 8, t->chunks, r);
+            if (st == DSK_OK) dsk_par_schedule_free(&s);
+        }
+    if (st == DSK_OK)
+        st = dsk_par_schedule_time(t->kind, 4, 8, t->chunks, 0, DSK_PAR_TRANSFERS_AHEAD, fwd, bwd, 0.1, &step);
+    if (st == DSK_OK && t->step_ref > 0 && step != t->step_ref)
+        st = dsk_set_error(DSK_ERR_STATE, "dsk_par_schedule_time: %.17g s, %.17g without failures", step, t->step_ref);
+    if (st == DSK_OK) t->step_ref = step;
+    return st;
+}
+
+static void case_schedules(dsk_par_schedule_kind kind, int chunks) {
+    to_sched t = {kind, chunks, 0.0};
+    long failed;
+    dsk_test_begin("every allocation of the %s schedules of 4 ranks (plain and paired) and of their simulated step "
+                   "failing in turn: DSK_ERR_OOM, nothing left allocated, the same time when it succeeds",
+                   dsk_par_schedule_name(kind));
+    DSK_TEST_OK(to_run_schedules(&t)); /* the reference time */
+    failed = to_each_failure("dsk_par_schedule", to_run_schedules, &t);
+    DSK_TEST_EXPECT(failed > 0, "no run failed");
+    dsk_test_end();
+}
+
 /* ---- checkpoints: one rank saves two tensors and loads the newest step back */
 
 typedef struct to_ckpt {
@@ -282,6 +323,9 @@ int main(void) {
     case_zero(3);
     case_moe(0);
     case_moe(1);
+    case_schedules(DSK_PAR_1F1B, 1);
+    case_schedules(DSK_PAR_INTERLEAVED, 2);
+    case_schedules(DSK_PAR_DUALPIPE_V, 2);
     case_ckpt();
     return dsk_test_finish();
 }
