@@ -1219,8 +1219,8 @@ static dsk_status dsk__zero_alloc_all(const char *fn, dsk_zero *z, dsk_ctx *ctx)
     if (z->stage == 3) {
         zi->pbufs = (dsk_tensor *)DSK_MALLOC((size_t)zi->o.param_buffers * sizeof(dsk_tensor));
         zi->pbuf_owner = (int *)DSK_MALLOC((size_t)zi->o.param_buffers * sizeof(int));
+        if (zi->pbufs) memset(zi->pbufs, 0, (size_t)zi->o.param_buffers * sizeof(dsk_tensor)); /* freed on failure */
         if (!zi->pbufs || !zi->pbuf_owner) return dsk_set_error(DSK_ERR_OOM, "%s: buffer lists", fn);
-        memset(zi->pbufs, 0, (size_t)zi->o.param_buffers * sizeof(dsk_tensor));
         for (int i = 0; i < zi->o.param_buffers; i++) {
             zi->pbuf_owner[i] = -1;
             DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->pbufs[i]), cdt, zi->max_unit, &mem->params));
@@ -1236,8 +1236,8 @@ static dsk_status dsk__zero_alloc_all(const char *fn, dsk_zero *z, dsk_ctx *ctx)
         DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->rs_tmp), DSK_F32, zi->max_chunk, &mem->grads));
         zi->gbufs = (dsk_tensor *)DSK_MALLOC((size_t)zi->o.grad_buffers * sizeof(dsk_tensor));
         zi->gbuf_owner = (int *)DSK_MALLOC((size_t)zi->o.grad_buffers * sizeof(int));
+        if (zi->gbufs) memset(zi->gbufs, 0, (size_t)zi->o.grad_buffers * sizeof(dsk_tensor)); /* freed on failure */
         if (!zi->gbufs || !zi->gbuf_owner) return dsk_set_error(DSK_ERR_OOM, "%s: buffer lists", fn);
-        memset(zi->gbufs, 0, (size_t)zi->o.grad_buffers * sizeof(dsk_tensor));
         for (int i = 0; i < zi->o.grad_buffers; i++) {
             zi->gbuf_owner[i] = -1;
             DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->gbufs[i]), DSK_F32, zi->max_unit, &mem->grads));
