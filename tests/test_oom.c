@@ -7,7 +7,7 @@
    a MoE layer's init, binding, forward and backward on the CPU (a run that succeeds gives the
    bits of one without failures), the pipeline schedules and their simulated step time, and a
    checkpoint's init, save, load of the newest step and free. */
-#define _POSIX_C_SOURCE 200809L /* mkdtemp */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp (dsk_test_files.h) */
 #include <stdlib.h>
 /* Counted from each run's start; the background threads of a save allocate too, hence atomics. */
 static long to_fail_at = -1; /* the allocation that fails; -1: none */
@@ -37,6 +37,7 @@ static void to_free(void *p) {
 #include "dsk_moe.h"
 #include "dsk_par.h"
 #include "tests/dsk_test.h"
+#include "tests/dsk_test_files.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -250,7 +251,7 @@ static void case_schedules(dsk_par_schedule_kind kind, int chunks) {
 /* ---- checkpoints: one rank saves two tensors and loads the newest step back */
 
 typedef struct to_ckpt {
-    char dir[256];
+    char dir[300];
     dsk_tensor a, b;
     dsk_ckpt_entry e[2];
     float want[2][96];
@@ -281,16 +282,15 @@ static void case_ckpt(void) {
     to_ckpt c;
     long failed;
     int64_t sa[2] = {8, 12}, sb[1] = {40};
-    char tmpl[] = "/tmp/dsk_test_oom_XXXXXX";
     dsk_test_begin("every allocation of a checkpoint's save and load failing in turn: DSK_ERR_OOM, nothing "
                    "left allocated, the saved values loaded when it succeeds");
     memset(&c, 0, sizeof c);
-    if (!mkdtemp(tmpl)) {
-        dsk_test_fail_at(__FILE__, __LINE__, "mkdtemp: cannot make a directory under /tmp");
+    if (!scratch_init("dsk_test_oom")) {
+        dsk_test_fail_at(__FILE__, __LINE__, "cannot make a scratch directory under $TMPDIR or /tmp");
         dsk_test_end();
         return;
     }
-    snprintf(c.dir, sizeof c.dir, "%s/ck", tmpl);
+    snprintf(c.dir, sizeof c.dir, "%s/ck", g_root);
     DSK_TEST_OK(dsk_tensor_alloc(NULL, &c.a, DSK_F32, 2, sa));
     DSK_TEST_OK(dsk_tensor_alloc(NULL, &c.b, DSK_F32, 1, sb));
     dsk_test_fill_f32(c.want[0], 96, -1, 1);
@@ -308,11 +308,7 @@ static void case_ckpt(void) {
     DSK_TEST_EXPECT(failed > 0, "no load failed");
     dsk_tensor_free(NULL, &c.a);
     dsk_tensor_free(NULL, &c.b);
-    {
-        char cmd[300];
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpl);
-        if (system(cmd) != 0) fprintf(stderr, "test_oom: could not remove %s\n", tmpl);
-    }
+    scratch_remove();
     dsk_test_end();
 }
 
