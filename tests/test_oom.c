@@ -193,7 +193,6 @@ static void case_moe(int capacity) {
     t.o.top_k = 2;
     t.o.d_expert = 8;
     t.o.n_shared = 1;
-    t.o.score = DSK_MOE_SIGMOID;
     t.o.capacity_factor = capacity ? 1.0f : 0.0f;
     t.o.init_std = 0.5f;
     t.o.seed = 3;
