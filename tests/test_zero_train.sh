@@ -10,7 +10,7 @@
 #   2. Gradient accumulation (2 micro-batches): --zero 1 reduces once, on the last micro-batch, as
 #      --zero 0 does: bit for bit. --zero 2 and 3 reduce every micro-batch and add the reduced
 #      parts (sum over ranks, then over micro-batches, where --zero 0 sums over micro-batches
-#      first): f32 rounding of another order, so within 1e-6 relative over 30 steps.
+#      first): f32 rounding of another order, so within 1e-4 relative over 30 steps (section 2).
 #      The MoE routing of --zero 0 is recorded and replayed by the sharded runs, so that rounding
 #      cannot move a token to another expert (a discontinuity no tolerance covers).
 #   3. A checkpoint saved at one data-parallel size resumes at another (4 -> 2, 2 -> 3, 3 -> 1, in
@@ -154,11 +154,18 @@ echo "# section 2 at ${SECONDS}s"
 # ---- 2. gradient accumulation: ZeRO-1 reduces once (bitwise); ZeRO-2 and 3 each micro-batch (another order).
 #      The sharded runs replay --zero 0's MoE routing (--routing-record/--routing-replay): another
 #      order of sums could decide a near-tie of the top-k or the bias update's sign the other way.
+#      Within 1e-4, not tighter: the gradient norm is of a sum of four gradients (2 ranks x 2
+#      micro-batches) that come to cancel as training goes on, so the summation order's rounding
+#      grows relative to it. Under avx2 the norms differed by at most 3e-8, 4e-7 and 1.4e-6 in
+#      steps 1-10, 11-20 and 21-30 (the losses and validations bit for bit); before a dot in the
+#      backward changed its summation order, by 3e-8, 7e-7 and 3e-7: a bound of 1e-6 passed or
+#      failed on the rounding of one run. A micro-batch's gradient missed or counted twice moves
+#      the norm by 10% or more.
 run acc0 "${TINY[@]}" --steps 30 --nproc 2 --accum 2 --routing-record "$work/acc_routes.bin"
 for z in 1 2 3; do
     run "acc$z" "${TINY[@]}" --steps 30 --nproc 2 --accum 2 --zero "$z" --routing-replay "$work/acc_routes.bin"
-    tol=1e-6; [ "$z" -eq 1 ] && tol=0
-    what="--zero $z --accum 2 at 2 ranks: $( [ "$z" -eq 1 ] && echo "bit for bit" || echo "within 1e-6") of --zero 0"
+    tol=1e-4; [ "$z" -eq 1 ] && tol=0
+    what="--zero $z --accum 2 at 2 ranks: $( [ "$z" -eq 1 ] && echo "bit for bit" || echo "within 1e-4") of --zero 0"
     ran acc0 "$what" && ran "acc$z" "$what" || continue
     v=$(same_log acc0 "acc$z" "$tol")
     case $v in ok*) ok "$what ($v)";; *) bad "$what" "$v";; esac
