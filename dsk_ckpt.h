@@ -1457,7 +1457,7 @@ static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_safetensors_f
         const dsk__ckpt_mtensor *t;
         dsk__ckpt_piece *pc;
         uint64_t hash;
-        int k, fits = 1;
+        int k, fits;
         char key[1100];
         if (strncmp(f->meta_keys[i], "dsk.reuse.", 10) != 0) continue;
         if (!dsk__ckpt_parse_hex64(f->meta_values[i], &hash))
@@ -1472,9 +1472,10 @@ static dsk_status dsk__ckpt_reuse_pieces(const char *fn, const dsk_safetensors_f
         snprintf(key, sizeof key, "dsk.box.%s", fkey);
         if ((box = dsk_safetensors_meta(f, key)) != NULL && !dsk__ckpt_parse_box(box, t->ndim, pc->off, pc->global))
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": %s is malformed", fn, f->path, key);
-        if (strcmp(name, fkey) != 0 && (fits = box ? dsk__ckpt_key_fits(fkey, name, t->ndim, pc->off) : 0) < 0)
+        /* the key is the name itself, or (with a box) "<name>@<offset>" */
+        if ((fits = box ? dsk__ckpt_key_fits(fkey, name, t->ndim, pc->off) : strcmp(name, fkey) == 0) < 0)
             return dsk_set_error(DSK_ERR_OOM, "%s: out of memory reading \"%s\"", fn, f->path);
-        if (strcmp(name, fkey) != 0 && !fits)
+        if (!fits)
             return dsk_set_error(DSK_ERR_CORRUPT, "%s: \"%s\": dsk.name.%s does not fit its key and box", fn, f->path,
                                  fkey);
         if (!box && rank != 0)

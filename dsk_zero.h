@@ -1178,6 +1178,13 @@ static void dsk__zero_layout(dsk_zero *z) {
 
 /* Allocates a zeroed f32/bf16/f16 slab on ctx's device and adds its allocator-measured bytes to *role
    (dsk_zero_plan: adds the bytes the allocator would count, n times the dtype's size). */
+/* bytes of zeroed host memory, or NULL: tables that dsk_zero_free reads even after a failed init. */
+static void *dsk__zero_calloc(size_t bytes) {
+    void *p = DSK_MALLOC(bytes);
+    if (p) memset(p, 0, bytes);
+    return p;
+}
+
 static dsk_status dsk__zero_alloc(dsk_ctx *ctx, dsk_tensor *t, dsk_dtype dt, int64_t n, int64_t *role) {
     dsk_device dev = ctx ? ctx->device : dsk_cpu();
     int64_t before = dsk_tensor_mem_stats(dev).live_bytes;
@@ -1217,9 +1224,8 @@ static dsk_status dsk__zero_alloc_all(const char *fn, dsk_zero *z, dsk_ctx *ctx)
     if (z->stage == 3 && cdt != DSK_F32)
         DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->shard_w), cdt, zi->shard, &mem->params));
     if (z->stage == 3) {
-        zi->pbufs = (dsk_tensor *)DSK_MALLOC((size_t)zi->o.param_buffers * sizeof(dsk_tensor));
+        zi->pbufs = (dsk_tensor *)dsk__zero_calloc((size_t)zi->o.param_buffers * sizeof(dsk_tensor));
         zi->pbuf_owner = (int *)DSK_MALLOC((size_t)zi->o.param_buffers * sizeof(int));
-        if (zi->pbufs) memset(zi->pbufs, 0, (size_t)zi->o.param_buffers * sizeof(dsk_tensor)); /* freed on failure */
         if (!zi->pbufs || !zi->pbuf_owner) return dsk_set_error(DSK_ERR_OOM, "%s: buffer lists", fn);
         for (int i = 0; i < zi->o.param_buffers; i++) {
             zi->pbuf_owner[i] = -1;
@@ -1234,9 +1240,8 @@ static dsk_status dsk__zero_alloc_all(const char *fn, dsk_zero *z, dsk_ctx *ctx)
     if (z->stage >= 2) {
         DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->shard_g), DSK_F32, zi->shard, &mem->grads));
         DSK__TRY(dsk__zero_alloc(ctx, dsk__zero_slab(zi, &zi->rs_tmp), DSK_F32, zi->max_chunk, &mem->grads));
-        zi->gbufs = (dsk_tensor *)DSK_MALLOC((size_t)zi->o.grad_buffers * sizeof(dsk_tensor));
+        zi->gbufs = (dsk_tensor *)dsk__zero_calloc((size_t)zi->o.grad_buffers * sizeof(dsk_tensor));
         zi->gbuf_owner = (int *)DSK_MALLOC((size_t)zi->o.grad_buffers * sizeof(int));
-        if (zi->gbufs) memset(zi->gbufs, 0, (size_t)zi->o.grad_buffers * sizeof(dsk_tensor)); /* freed on failure */
         if (!zi->gbufs || !zi->gbuf_owner) return dsk_set_error(DSK_ERR_OOM, "%s: buffer lists", fn);
         for (int i = 0; i < zi->o.grad_buffers; i++) {
             zi->gbuf_owner[i] = -1;
@@ -1343,8 +1348,7 @@ static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
     dsk_status st;
     if (c && !c->impl) return dsk_set_error(DSK_ERR_ARG, "%s: communicator is not initialised", fn);
     if (n < 1 || !params) return dsk_set_error(DSK_ERR_ARG, "%s: need at least one parameter (got %d)", fn, n);
-    if (!(zi = (dsk__zero_impl *)DSK_MALLOC(sizeof *zi))) return dsk_set_error(DSK_ERR_OOM, "%s: state", fn);
-    memset(zi, 0, sizeof *zi);
+    if (!(zi = (dsk__zero_impl *)dsk__zero_calloc(sizeof *zi))) return dsk_set_error(DSK_ERR_OOM, "%s: state", fn);
     z->impl = zi;
     if (opts) zi->o = *opts;
     DSK__TRY(dsk__zero_check_opts(fn, &zi->o, c));
@@ -1361,13 +1365,11 @@ static dsk_status dsk__zero_init(dsk_zero *z, dsk_comm *c, dsk_ctx *ctx, const d
     z->world_size = zi->world = c ? c->world_size : 1;
     z->n_params = n;
     zi->cesz = dsk_dtype_size(zi->o.compute_dtype);
-    zi->p = (dsk__zero_p *)DSK_MALLOC((size_t)n * sizeof *zi->p);
-    zi->u = (dsk__zero_u *)DSK_MALLOC((size_t)n * sizeof *zi->u);
+    zi->p = (dsk__zero_p *)dsk__zero_calloc((size_t)n * sizeof *zi->p);
+    zi->u = (dsk__zero_u *)dsk__zero_calloc((size_t)n * sizeof *zi->u);
     zi->qcap = 2 * (int64_t)n + 2;
     zi->q = (dsk__zero_op *)DSK_MALLOC((size_t)zi->qcap * sizeof *zi->q);
-    if (zi->p) memset(zi->p, 0, (size_t)n * sizeof *zi->p); /* dsk_zero_free reads it, on failure too */
     if (!zi->p || !zi->u || !zi->q) return dsk_set_error(DSK_ERR_OOM, "%s: tables for %d parameters", fn, n);
-    memset(zi->u, 0, (size_t)n * sizeof *zi->u);
     DSK__TRY(dsk__zero_take_params(fn, z, params, n));
     dsk__zero_layout(z);
     DSK__TRY(dsk__zero_alloc_all(fn, z, ctx));
@@ -1453,8 +1455,7 @@ DSK_API dsk_status dsk_zero_plan(const dsk_zero_param *params, int n, int world_
     if (world_size < 1 || rank < 0 || rank >= world_size)
         return dsk_set_error(DSK_ERR_ARG, "%s: rank %d of a group of %d", fn, rank, world_size);
     memset(&z, 0, sizeof z);
-    if (!(zi = (dsk__zero_impl *)DSK_MALLOC(sizeof *zi))) return dsk_set_error(DSK_ERR_OOM, "%s: state", fn);
-    memset(zi, 0, sizeof *zi);
+    if (!(zi = (dsk__zero_impl *)dsk__zero_calloc(sizeof *zi))) return dsk_set_error(DSK_ERR_OOM, "%s: state", fn);
     z.impl = zi;
     zi->dry = 1;
     if (opts) zi->o = *opts;
@@ -1462,15 +1463,10 @@ DSK_API dsk_status dsk_zero_plan(const dsk_zero_param *params, int n, int world_
     z.rank = zi->rank = rank;
     z.world_size = zi->world = world_size;
     z.n_params = n;
-    zi->p = (dsk__zero_p *)DSK_MALLOC((size_t)n * sizeof *zi->p);
-    zi->u = (dsk__zero_u *)DSK_MALLOC((size_t)n * sizeof *zi->u);
-    if (zi->p) memset(zi->p, 0, (size_t)n * sizeof *zi->p); /* dsk_zero_free reads it, on failure too */
-    if (!zi->p || !zi->u) {
-        st = dsk_set_error(DSK_ERR_OOM, "%s: tables for %d parameters", fn, n);
-    } else {
-        memset(zi->u, 0, (size_t)n * sizeof *zi->u);
-        st = dsk__zero_check_opts(fn, &zi->o, NULL);
-    }
+    zi->p = (dsk__zero_p *)dsk__zero_calloc((size_t)n * sizeof *zi->p);
+    zi->u = (dsk__zero_u *)dsk__zero_calloc((size_t)n * sizeof *zi->u);
+    st = zi->p && zi->u ? dsk__zero_check_opts(fn, &zi->o, NULL)
+                        : dsk_set_error(DSK_ERR_OOM, "%s: tables for %d parameters", fn, n);
     z.stage = zi->stage = zi->o.stage;
     zi->cesz = dsk_dtype_size(zi->o.compute_dtype);
     if (st == DSK_OK) st = dsk__zero_take_params(fn, &z, params, n);
