@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # --dtype fp8 (every linear layer's and MoE expert's three GEMMs in block-scaled FP8, DeepSeek-V3's
 # recipe, examples/train_fp8.h and dsk_moe.h's expert_gemm) and --optim-dtype bf16 (AdamW moments in bf16) in examples/train_moe.c:
-# fp8 trains as bf16 does (300 steps, the same seed: the final validation loss within 0.25% of
-# bf16's, DeepSeek-V3's figure, and the training loss smoothed over the last 50 steps within 1%,
-# this tiny model's measured 0.57% with room (bench/RESULTS.md says why), each bound raised to
-# twice bf16's own rounding noise where that is larger; the same with --ep 2 and FP8 dispatch
-# over 100 steps), and is not bf16 under another name (the losses differ); its activation memory is bf16's
+# fp8 trains as bf16 does (200 steps over 6 seeds: the mean of fp8's relative distance from bf16
+# in the final validation loss within 0.25%, DeepSeek-V3's figure, and in the training loss
+# smoothed over the last 50 steps within 1%, each plus three standard errors of that mean; the
+# same with --ep 2 and FP8 dispatch over 100 steps; and step by step over the first 5, each within
+# twice bf16's distance from f32), and is not bf16 under another name (the losses differ at every
+# seed); its activation memory is bf16's
 # less exactly what the e4m3 caches of the linears' and experts' inputs save, net of the FP8 scratch (the
 # bytes computed here from the shapes); bf16 moments halve an f32 model's optimizer state; bad
 # values of both flags fail with a message.
 # Under tensor and pipeline parallelism (section 4): fp8 against bf16 as tp2 x pp2 x ZeRO-1 with the
-# same bounds, pp2 against one rank's --accum 2 bit for bit, tp2 x pp2 against one rank within a
+# same check, pp2 against one rank's --accum 2 bit for bit, tp2 x pp2 against one rank within a
 # bound derived from one rank's FP8 error. --recompute attn|full with fp8 (section 5, one rank and
 # tp2 x pp2, MHA and MLA) logs the run without it bit for bit, with fewer activation bytes; --mtp 1
 # with fp8 (section 6) against bf16 and as tp2 x pp2 against one rank; --attn mla with fp8 (section
@@ -35,68 +36,101 @@ run() { # name args...: output in $work/NAME.out, log in $work/NAME.jsonl, statu
 }
 rc() { cat "$work/$1.rc"; }
 
-# compare WHAT A B SMOOTH VAL: the mean loss of the last 50 steps and the last validation loss of
-# runs A and B within relative bounds SMOOTH and VAL, and not all equal (B must not be A's arithmetic)
-compare() {
-    local what=$1 a=$2 b=$3 verdict
-    if [ "$(rc "$a")" -ne 0 ] || [ "$(rc "$b")" -ne 0 ]; then
-        bad "$what" "exit $(rc "$a")/$(rc "$b")" "$(tail -3 "$work/$b.out")"
+# fp8 against bf16 over SEEDS. One seed's comparison is a coin toss at this size: the tiny
+# model's trajectories part chaotically (a loss spike in one run and not in the other), and over 8
+# seeds fp8's distance from bf16 measured -1.0% to +1.0% in the last validation loss and up to
+# 1.1% in the smoothed training loss on one rank (300 steps), up to 0.8% and 2.4% as tp2 x pp2 (150
+# steps), bf16's own distance from f32 up to 0.9% and 1.1% (bench/RESULTS.md): a bound on one seed's
+# distance passed or failed by the seed, the kernel ISA or any change of rounding it met. The
+# check is on the mean over the seeds of the paired relative differences (fp8 - bf16) / bf16:
+# within DeepSeek-V3's 0.25% (validation loss) and 1% (training loss smoothed over the last 50
+# steps) plus three standard errors of that mean (the seeds' spread), so that a bias of fp8
+# fails and the noise does not.
+SEEDS=(1337 1 2 3 4 5)
+# compare_seeds WHAT NAME FP8_FLAGS ARGS...: runs NAME_{bf16,fp8}_SEED with ARGS (fp8 adds FP8_FLAGS)
+# for every seed, and the check; each fp8 run must differ from bf16's at its seed (not bf16's arithmetic)
+compare_seeds() {
+    local what=$1 name=$2 fp8_flags=$3 s verdict codes=; shift 3
+    for s in "${SEEDS[@]}"; do
+        run "${name}_bf16_$s" "$@" --seed "$s" --dtype bf16
+        # shellcheck disable=SC2086 # FP8_FLAGS: words
+        run "${name}_fp8_$s" "$@" --seed "$s" --dtype fp8 $fp8_flags
+        codes="$codes$(rc "${name}_bf16_$s")$(rc "${name}_fp8_$s")"
+    done
+    if [ -n "${codes//0/}" ]; then
+        bad "$what" "exit statuses (bf16, fp8 per seed) $codes" "$(tail -3 "$work/${name}_fp8_${SEEDS[0]}.out")"
         return
     fi
-    verdict=$($PYS - "$work/$a.jsonl" "$work/$b.jsonl" "$4" "$5" <<'EOF'
-import json, sys
-def read(p):
-    rows = [json.loads(l) for l in open(p)]
+    verdict=$($PYS - "$work" "$name" "${SEEDS[@]}" <<'EOF'
+import json, math, sys
+work, name, seeds = sys.argv[1], sys.argv[2], sys.argv[3:]
+def read(dt, s):
+    rows = [json.loads(l) for l in open("%s/%s_%s_%s.jsonl" % (work, name, dt, s))]
     steps = [r["loss"] for r in rows if r["type"] == "step"]
-    vals = [r["val_loss"] for r in rows if r["type"] == "val"]
-    return sum(steps[-50:]) / len(steps[-50:]), vals[-1], steps
-(sa, va, la), (sb, vb, lb) = read(sys.argv[1]), read(sys.argv[2])
-bs, bv = float(sys.argv[3]), float(sys.argv[4])
-ds, dv = abs(sb - sa) / sa, abs(vb - va) / va
-msg = "smoothed loss %.4f vs %.4f (%.3f%%), validation %.4f vs %.4f (%.3f%%)" % (sa, sb, 100 * ds, va, vb, 100 * dv)
-if la == lb: print("bad the losses are bit for bit bf16's: " + msg)
-elif ds < bs and dv < bv: print("ok " + msg)
-else: print("bad over %.2f%% / %.2f%%: %s" % (100 * bs, 100 * bv, msg))
+    return steps, sum(steps[-50:]) / len(steps[-50:]), [r["val_loss"] for r in rows if r["type"] == "val"][-1]
+d = ([], [])
+for s in seeds:
+    (lb, sb, vb), (le, se, ve) = read("bf16", s), read("fp8", s)
+    if le == lb: print("bad seed %s: the losses are bit for bit bf16's" % s); sys.exit()
+    d[0].append((ve - vb) / vb); d[1].append((se - sb) / sb)
+ok, out = True, []
+for x, floor, what in ((d[0], 0.0025, "validation"), (d[1], 0.01, "smoothed")):
+    n = len(x); m = sum(x) / n
+    bound = floor + 3 * math.sqrt(sum((v - m) ** 2 for v in x) / (n - 1) / n)
+    ok = ok and abs(m) <= bound  # a NaN fails
+    out.append("%s %+.3f%% (seeds %+.2f%% to %+.2f%%, bound %.3f%%)" % (what, 100 * m, 100 * min(x), 100 * max(x), 100 * bound))
+print(("ok " if ok else "bad ") + ", ".join(out))
 EOF
 )
-    case $verdict in ok*) ok "$what (${verdict#ok })" ;; *) bad "$what" "$verdict" ;; esac
+    case $verdict in ok*) ok "$what: ${verdict#ok }" ;; *) bad "$what" "${verdict:-no verdict}" ;; esac
 }
 
-# bounds A B [C]: max(1%, twice the noise) for the loss smoothed over the last 50 steps and
-# max(0.25%, twice the noise) for the last validation loss, the noise being B's distance from A
-# and, given C, from C (A the f32 run, B bf16's, C bf16's with the batch summed in another order)
-bounds() {
-    $PYS - "$work/$1.jsonl" "$work/$2.jsonl" ${3:+"$work/$3.jsonl"} <<'EOF' 2>/dev/null
-import json, sys
-def read(p):
-    rows = [json.loads(l) for l in open(p)]
-    steps = [r["loss"] for r in rows if r["type"] == "step"]
-    return sum(steps[-50:]) / len(steps[-50:]), [r["val_loss"] for r in rows if r["type"] == "val"][-1]
-(sb, vb), others = read(sys.argv[2]), [read(p) for p in sys.argv[1:2] + sys.argv[3:]]
-ns, nv = max(abs(sb - s) / sb for s, _ in others), max(abs(vb - v) / vb for _, v in others)
-print("%.6f %.6f" % (max(0.01, 2 * ns), max(0.0025, 2 * nv)))
+# first_steps WHAT NAME FP8_FLAGS ARGS...: runs NAME_{f32,bf16,fp8} with ARGS over 5 steps (fp8 adds
+# FP8_FLAGS), before the trajectories part, and checks each fp8 step: its loss finite and within
+# max(0.25%, twice bf16's distance from f32 at that step) of bf16's, its gradient norm within max(1%,
+# twice that distance), and not bf16's bits. What the seeds' means above do not see, a wrong FP8
+# scale or rounding that adds noise without a bias, shows here at once: a block scale of amax /
+# 896 (the top half of each block saturating) moved step 1's norm by 17%, e4m3 rounding that
+# truncates by 6.5% (bench/RESULTS.md), where the correct code stays under 0.3% (a quarter of the
+# bound at worst under every kernel ISA).
+first_steps() {
+    local what=$1 name=$2 fp8_flags=$3 verdict; shift 3
+    run "${name}_f32" "$@" --dtype f32 --steps 5 --val-interval 5
+    run "${name}_bf16" "$@" --dtype bf16 --steps 5 --val-interval 5
+    # shellcheck disable=SC2086 # FP8_FLAGS: words
+    run "${name}_fp8" "$@" --dtype fp8 $fp8_flags --steps 5 --val-interval 5
+    verdict=$($PYS - "$work/${name}"_{f32,bf16,fp8}.jsonl <<'EOF'
+import json, math, sys
+def rows(p):
+    return [(r["loss"], r["grad_norm"]) for r in map(json.loads, open(p)) if r["type"] == "step"]
+f, b, e = map(rows, sys.argv[1:4])
+if not all(len(x) == 5 for x in (f, b, e)): print("bad: not 5 steps each"); sys.exit()
+if e == b: print("bad: the losses and norms are bit for bit bf16's"); sys.exit()
+worst = [0.0, 0.0]
+for s in range(5):
+    for i, floor in ((0, 0.0025), (1, 0.01)):
+        d, bound = abs(e[s][i] - b[s][i]) / b[s][i], max(floor, 2 * abs(b[s][i] - f[s][i]) / f[s][i])
+        if not (math.isfinite(e[s][i]) and d <= bound):
+            what = ("loss", "norm")[i]
+            print("bad step %d %s %r vs bf16 %r: %.3g over %.3g" % (s + 1, what, e[s][i], b[s][i], d, bound))
+            sys.exit()
+        worst[i] = max(worst[i], d)
+print("ok worst loss %.3g, gradient norm %.3g" % tuple(worst))
 EOF
+)
+    what="$what, steps 1-5: each loss finite and within max(0.25%, twice bf16's distance from f32), each gradient"
+    case $verdict in ok*) ok "$what norm within max(1%, twice that) (${verdict#ok })" ;; *) bad "$what" "${verdict:-no verdict}" ;; esac
 }
 
-# ---- 1. fp8 against bf16: 300 steps, one rank; 100 steps, --ep 2 over 2 ranks
-# The bounds: DeepSeek-V3's 0.25% (validation) and 1% (smoothed), or twice bf16's own rounding
-# noise where that is larger: at 256 tokens a step the trajectories of this tiny model part by a
-# few tenths of a percent whatever the rounding, and by 0.6-1.9% in the last validation loss
-# between bf16 and bf16 with the batch as two micro-batches (--batch 4 --accum 2: the same data,
-# the gradient summed in another order; bench/RESULTS.md), so the noise is the larger of bf16's
-# distance from f32 and from that run: one sample of it alone let the kernel ISA decide the verdict
-run f32 "${TINY[@]}" --dtype f32 --steps 300 --val-interval 300
-run bf16 "${TINY[@]}" --dtype bf16 --steps 300 --val-interval 300
-run bf16_accum2 "${TINY[@]}" --dtype bf16 --steps 300 --val-interval 300 --batch 4 --accum 2
-run fp8 "${TINY[@]}" --dtype fp8 --steps 300 --val-interval 300
-read -r b_smooth b_val < <(bounds f32 bf16 bf16_accum2)
-what="--dtype fp8 vs bf16, 300 steps: validation loss within max(0.25%, twice bf16's rounding noise)"
-what="$what (${b_val:-?}), smoothed training loss within max(1%, twice that noise) (${b_smooth:-?})"
-compare "$what" bf16 fp8 "${b_smooth:-0}" "${b_val:-0}"
-run bf16_ep2 "${TINY[@]}" --dtype bf16 --steps 100 --val-interval 100 --nproc 2 --ep 2
-run fp8_ep2 "${TINY[@]}" --dtype fp8 --steps 100 --val-interval 100 --nproc 2 --ep 2 --ep-dispatch fp8
-compare "--dtype fp8 --ep-dispatch fp8 vs bf16 with --ep 2 (2 ranks), 100 steps: the same bounds" bf16_ep2 fp8_ep2 0.01 \
-    0.0025
+# ---- 1. fp8 against bf16 over the seeds: 300 steps, one rank; 100 steps, --ep 2 over 2 ranks
+what="--dtype fp8 vs bf16, 200 steps, ${#SEEDS[@]} seeds: the mean relative difference of the validation loss"
+compare_seeds "$what within 0.25% + 3 standard errors, of the smoothed training loss within 1% + 3" one "" "${TINY[@]}" \
+    --steps 200 --val-interval 200
+what="--dtype fp8 --ep-dispatch fp8 vs bf16 with --ep 2 (2 ranks), 100 steps, ${#SEEDS[@]} seeds: the same check"
+compare_seeds "$what" ep2 "--ep-dispatch fp8" "${TINY[@]}" --steps 100 --val-interval 100 --nproc 2 --ep 2
+first_steps "--dtype fp8 vs bf16" first "" "${TINY[@]}"
+first_steps "--dtype fp8 --ep-dispatch fp8 vs bf16 with --ep 2 (2 ranks)" first_ep2 "--ep-dispatch fp8" "${TINY[@]}" \
+    --nproc 2 --ep 2
 
 # ---- 2. memory: the activations' bytes and the optimizer state's, from the allocator
 # mem NAME FIELD: rank 0's bytes of FIELD from the "memory bytes" line
@@ -217,13 +251,10 @@ expect_fail dtype '--dtype "fp7": use f32, bf16, fp16 or fp8' "${TINY[@]}" --dty
 # shard runs its three GEMMs in FP8 from its input's e4m3 cache (one per in-flight micro-batch), the
 # tensor-parallel gathers and reduce-scatters stay bf16
 PAR=(--nproc 4 --tp 2 --pp 2 --micro-batches 2 --zero 1)
-# (a) fp8 against bf16 as tp2 x pp2 x ZeRO-1, 150 steps (section 1's bounds, bf16's distance from
-# f32 measured in this layout; 150 steps keep the three 4-rank runs short; bench/RESULTS.md has 300)
-for dt in f32 bf16 fp8; do run "par_$dt" "${TINY[@]}" "${PAR[@]}" --dtype $dt --steps 150 --val-interval 150; done
-read -r p_smooth p_val < <(bounds par_f32 par_bf16)
-what="--dtype fp8 vs bf16 as tp2 x pp2 x ZeRO-1, 150 steps: validation within max(0.25%, twice bf16's distance"
-what="$what from f32) (${p_val:-?}), smoothed within max(1%, twice that) (${p_smooth:-?})"
-compare "$what" par_bf16 par_fp8 "${p_smooth:-0}" "${p_val:-0}"
+# (a) fp8 against bf16 as tp2 x pp2 x ZeRO-1 over the seeds, 150 steps (section 1's check; 150 steps
+# keep the 4-rank runs short; bench/RESULTS.md has 300)
+what="--dtype fp8 vs bf16 as tp2 x pp2 x ZeRO-1, 100 steps, ${#SEEDS[@]} seeds: section 1's check"
+compare_seeds "$what" par "" "${TINY[@]}" "${PAR[@]}" --steps 100 --val-interval 100
 
 # steps NAME: every step's logged loss and gradient norm, one line per step
 steps() {
@@ -357,48 +388,20 @@ mem_check "$what caches (h1, the latents, h2, a, wo's) and the FP8 scratch, less
     "$want"
 
 # ---- 6. --mtp 1 with --dtype fp8: the MTP module's block runs its linears in FP8 as the main ones
-# (its projection and the shared head stay bf16), against bf16 over 100 steps with section 1's
-# bounds (bf16's distance from f32 measured with --mtp 1), and as tp2 x pp2 x ZeRO-1 against one
-# rank as in 4 (c)
-for dt in f32 bf16 fp8; do run "mtp_$dt" "${TINY[@]}" --mtp 1 --dtype $dt --steps 100 --val-interval 100; done
-read -r m_smooth m_val < <(bounds mtp_f32 mtp_bf16)
-what="--dtype fp8 --mtp 1 vs bf16, 100 steps: validation within max(0.25%, twice bf16's distance from f32)"
-compare "$what (${m_val:-?}), smoothed within max(1%, twice that) (${m_smooth:-?})" mtp_bf16 mtp_fp8 "${m_smooth:-0}" \
-    "${m_val:-0}"
+# (its projection and the shared head stay bf16), against bf16 over 100 steps and the seeds with
+# section 1's check, and as tp2 x pp2 x ZeRO-1 against one rank as in 4 (c)
+what="--dtype fp8 --mtp 1 vs bf16, 100 steps, ${#SEEDS[@]} seeds: section 1's check"
+compare_seeds "$what" mtp "" "${TINY[@]}" --mtp 1 --steps 100 --val-interval 100
 what="--dtype fp8 --mtp 1 as tp2 x pp2 x ZeRO-1 against one rank, 5 steps: within twice one rank's fp8-to-bf16"
 layout_vs_one mtp1 "$what distance plus bf16's layout distance" --mtp 1
 
 # ---- 7. --attn mla with --dtype fp8: MLA's linear layers and the MTP module's projection in FP8 from
-# e4m3 caches (the latent norms, RoPE and the core bf16) against bf16, same seed, over the first 5 steps
-# (before the trajectories part; over 60 steps this tiny model's loss no longer tells a wrong gradient
-# from rounding: with wkv_a's gradient and share of d(h1) dropped it stayed within section 1's
-# bounds): every step's loss finite and within max(0.25%, twice bf16's distance from f32 at that
-# step) of bf16's, its gradient norm within max(1%, twice that distance) (the norm sums few squares
-# here: fp8 measured 0.48% from bf16 at worst, bf16 0.37% from f32), and not bf16's bits. Then as
+# e4m3 caches (the latent norms, RoPE and the core bf16) against bf16 over the first 5 steps as in
+# section 1 (over 60 steps this tiny model's loss no longer tells a wrong gradient from rounding: with
+# wkv_a's gradient and share of d(h1) dropped it stayed within the one-seed bounds section 1 then
+# had; the norm sums few squares here: fp8 measured 0.48% from bf16 at worst, bf16 0.37% from f32). Then as
 # tp2 x pp2 x ZeRO-1 against one rank as in 4 (c) (recomputation: section 5; pp2: 4 (b))
-for dt in f32 bf16 fp8; do run "mla_$dt" "${TINY[@]}" "${MLA[@]}" --mtp 1 --dtype $dt --steps 5 --val-interval 5; done
-verdict=$($PYS - "$work"/mla_{f32,bf16,fp8}.jsonl <<'EOF'
-import json, math, sys
-def rows(p):
-    return [(r["loss"], r["grad_norm"]) for r in map(json.loads, open(p)) if r["type"] == "step"]
-f, b, e = map(rows, sys.argv[1:4])
-if not all(len(x) == 5 for x in (f, b, e)): print("bad: not 5 steps each"); sys.exit()
-if e == b: print("bad: the losses and norms are bit for bit bf16's"); sys.exit()
-worst = [0.0, 0.0]
-for s in range(5):
-    for i, floor in ((0, 0.0025), (1, 0.01)):
-        d, bound = abs(e[s][i] - b[s][i]) / b[s][i], max(floor, 2 * abs(b[s][i] - f[s][i]) / f[s][i])
-        if not (math.isfinite(e[s][i]) and d <= bound):
-            what = ("loss", "norm")[i]
-            print("bad step %d %s %r vs bf16 %r: %.3g over %.3g" % (s + 1, what, e[s][i], b[s][i], d, bound))
-            sys.exit()
-        worst[i] = max(worst[i], d)
-print("ok worst loss %.3g, gradient norm %.3g" % tuple(worst))
-EOF
-)
-what="--dtype fp8 ${MLA[*]} --mtp 1 vs bf16, steps 1-5: each loss finite and within max(0.25%, twice bf16's"
-what="$what distance from f32), each gradient norm within max(1%, twice that)"
-case $verdict in ok*) ok "$what (${verdict#ok })" ;; *) bad "$what" "$verdict" ;; esac
+first_steps "--dtype fp8 ${MLA[*]} --mtp 1 vs bf16" mla "" "${TINY[@]}" "${MLA[@]}" --mtp 1
 what="--dtype fp8 ${MLA[*]} --mtp 1 as tp2 x pp2 x ZeRO-1 against one rank, 5 steps: within twice one rank's"
 layout_vs_one mla "$what fp8-to-bf16 distance plus bf16's layout distance" "${MLA[@]}" --mtp 1
 finish
