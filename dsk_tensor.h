@@ -2681,13 +2681,21 @@ static DSK__TARGET_AVX512 void dsk__scale_avx512(float *y, const float *x, float
         _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(vs, _mm512_maskz_loadu_ps(k, x + i)));
     }
 }
+/* Four sums in flight, as dsk__dot_avx2. */
 static DSK__TARGET_AVX512 float dsk__dot_avx512(const float *a, const float *b, int64_t n) {
-    __m512 s = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 k = dsk__tail512(n - i);
-        s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), s);
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+        s2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 32), _mm512_loadu_ps(b + i + 32), s2);
+        s3 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 48), _mm512_loadu_ps(b + i + 48), s3);
     }
-    return _mm512_reduce_add_ps(s);
+    for (; i < n; i += 16) {
+        __mmask16 k = dsk__tail512(n - i);
+        s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), s0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
 }
 static DSK__TARGET_AVX512 void dsk__mul_scale_avx512(float *y, const float *x, const float *w, float s, int64_t n) {
     __m512 vs = _mm512_set1_ps(s);
@@ -2816,12 +2824,18 @@ static DSK__TARGET_AVX2 void dsk__scale_avx2(float *y, const float *x, float s, 
     __m256 vs = _mm256_set1_ps(s);
     for (int64_t i = 0; i < n; i += 8) dsk__store256(y + i, n - i, _mm256_mul_ps(vs, dsk__load256(x + i, n - i)));
 }
+/* Four sums in flight (an FMA's latency is four of its issue slots), lane sums added pairwise. */
 static DSK__TARGET_AVX2 float dsk__dot_avx2(const float *a, const float *b, int64_t n) {
-    __m256 s = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) {
-        s = _mm256_fmadd_ps(dsk__load256(a + i, n - i), dsk__load256(b + i, n - i), s);
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
     }
-    return dsk__hsum256(s);
+    for (; i < n; i += 8) s0 = _mm256_fmadd_ps(dsk__load256(a + i, n - i), dsk__load256(b + i, n - i), s0);
+    return dsk__hsum256(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
 }
 static DSK__TARGET_AVX2 void dsk__mul_scale_avx2(float *y, const float *x, const float *w, float s, int64_t n) {
     __m256 vs = _mm256_set1_ps(s);
