@@ -91,14 +91,19 @@ EOF
 # twice that distance), and not bf16's bits. What the seeds' means above do not see, a wrong FP8
 # scale or rounding that adds noise without a bias, shows here at once: a block scale of amax /
 # 896 (the top half of each block saturating) moved step 1's norm by 17%, e4m3 rounding that
-# truncates by 6.5% (bench/RESULTS.md), where the correct code stays under 0.3% (a quarter of the
-# bound at worst under every kernel ISA).
+# truncates by 6.5% (bench/RESULTS.md), where the correct code's MHA steps stay under 0.3% (0.27 of
+# the bound at worst under every kernel ISA; MLA's 0.55%).
 first_steps() {
     local what=$1 name=$2 fp8_flags=$3 verdict; shift 3
     run "${name}_f32" "$@" --dtype f32 --steps 5 --val-interval 5
     run "${name}_bf16" "$@" --dtype bf16 --steps 5 --val-interval 5
     # shellcheck disable=SC2086 # FP8_FLAGS: words
     run "${name}_fp8" "$@" --dtype fp8 $fp8_flags --steps 5 --val-interval 5
+    if [ "$(rc "${name}_f32")$(rc "${name}_bf16")$(rc "${name}_fp8")" != 000 ]; then
+        bad "$what" "exit statuses (f32, bf16, fp8) $(rc "${name}_f32")$(rc "${name}_bf16")$(rc "${name}_fp8")" \
+            "$(tail -3 "$work/${name}_fp8.out")"
+        return
+    fi
     verdict=$($PYS - "$work/${name}"_{f32,bf16,fp8}.jsonl <<'EOF'
 import json, math, sys
 def rows(p):
