@@ -20,8 +20,8 @@
 # timeouts and killed ranks (test_comm spends a fifth of its time on a CPU), and trainer
 # comparisons that time nothing (the layouts of test_par_train, the FP8 runs, the planner's figures,
 # test_hf's Python), about half of the suite's time, so that a 2-core machine keeps both cores busy
-# (on one, 2026-12-07: 368 s against the other lane's 361). Tests that time signals against a running
-# trainer (test_prod) stay out of it.
+# (a clean clone's .ci/run on a 2-core Zen 4, 2026-12-07: 317 s against the other lane's 295).
+# Tests that time signals against a running trainer (test_prod) stay out of it.
 set -u
 BUILD=${BUILD:-build}
 cd "$(dirname "$0")/.."
