@@ -1176,8 +1176,6 @@ static void dsk__zero_layout(dsk_zero *z) {
     zi->shard = shard;
 }
 
-/* Allocates a zeroed f32/bf16/f16 slab on ctx's device and adds its allocator-measured bytes to *role
-   (dsk_zero_plan: adds the bytes the allocator would count, n times the dtype's size). */
 /* bytes of zeroed host memory, or NULL: tables that dsk_zero_free reads even after a failed init. */
 static void *dsk__zero_calloc(size_t bytes) {
     void *p = DSK_MALLOC(bytes);
@@ -1185,6 +1183,8 @@ static void *dsk__zero_calloc(size_t bytes) {
     return p;
 }
 
+/* Allocates a zeroed f32/bf16/f16 slab on ctx's device and adds its allocator-measured bytes to *role
+   (dsk_zero_plan: adds the bytes the allocator would count, n times the dtype's size). */
 static dsk_status dsk__zero_alloc(dsk_ctx *ctx, dsk_tensor *t, dsk_dtype dt, int64_t n, int64_t *role) {
     dsk_device dev = ctx ? ctx->device : dsk_cpu();
     int64_t before = dsk_tensor_mem_stats(dev).live_bytes;

@@ -94,14 +94,14 @@ EOF
 # truncates by 6.5% (bench/RESULTS.md), where the correct code's MHA steps stay under 0.3% (0.27 of
 # the bound at worst under every kernel ISA; MLA's 0.55%).
 first_steps() {
-    local what=$1 name=$2 fp8_flags=$3 verdict; shift 3
+    local what=$1 name=$2 fp8_flags=$3 verdict codes; shift 3
     run "${name}_f32" "$@" --dtype f32 --steps 5 --val-interval 5
     run "${name}_bf16" "$@" --dtype bf16 --steps 5 --val-interval 5
     # shellcheck disable=SC2086 # FP8_FLAGS: words
     run "${name}_fp8" "$@" --dtype fp8 $fp8_flags --steps 5 --val-interval 5
-    if [ "$(rc "${name}_f32")$(rc "${name}_bf16")$(rc "${name}_fp8")" != 000 ]; then
-        bad "$what" "exit statuses (f32, bf16, fp8) $(rc "${name}_f32")$(rc "${name}_bf16")$(rc "${name}_fp8")" \
-            "$(tail -3 "$work/${name}_fp8.out")"
+    codes="$(rc "${name}_f32")$(rc "${name}_bf16")$(rc "${name}_fp8")"
+    if [ "$codes" != 000 ]; then
+        bad "$what" "exit statuses (f32, bf16, fp8) $codes" "$(tail -3 "$work/${name}_fp8.out")"
         return
     fi
     verdict=$($PYS - "$work/${name}"_{f32,bf16,fp8}.jsonl <<'EOF'
@@ -127,7 +127,7 @@ EOF
     case $verdict in ok*) ok "$what norm within max(1%, twice that) (${verdict#ok })" ;; *) bad "$what" "${verdict:-no verdict}" ;; esac
 }
 
-# ---- 1. fp8 against bf16 over the seeds: 300 steps, one rank; 100 steps, --ep 2 over 2 ranks
+# ---- 1. fp8 against bf16 over the seeds: 200 steps, one rank; 100 steps, --ep 2 over 2 ranks; then the first 5 steps
 what="--dtype fp8 vs bf16, 200 steps, ${#SEEDS[@]} seeds: the mean relative difference of the validation loss"
 compare_seeds "$what within 0.25% + 3 standard errors, of the smoothed training loss within 1% + 3" one "" "${TINY[@]}" \
     --steps 200 --val-interval 200
