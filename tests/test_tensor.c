@@ -1050,10 +1050,11 @@ static void test_gemm_nest_bits(void) {
     }
 }
 
-/* The same bits for 1, 2 and 3 threads on the ISA under test, in the direct and the packed nest. */
+/* The same bits for 1, 2 and 3 threads on the ISA under test, in the direct and the packed nest, and
+   just over the one-product team threshold (128^3 multiply-adds). */
 static void test_gemm_threads(void) {
-    static const int64_t shapes[2][3] = {{157, 301, 530}, {157, 700, 300}};
-    for (int s = 0; s < 2; s++) {
+    static const int64_t shapes[3][3] = {{157, 301, 530}, {157, 700, 300}, {130, 140, 131}};
+    for (int s = 0; s < 3; s++) {
         int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
         dsk_tensor *A = tt_rand(DSK_F32, 2, SH(M, K), -1, 1), *B = tt_rand(DSK_F32, 2, SH(N, K), -1, 1), *C[3];
         for (int t = 0; t < 3; t++) {
