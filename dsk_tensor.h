@@ -2508,9 +2508,9 @@ static dsk_status dsk__gemm(const dsk__gemm_args *g, const dsk__ukernel *uk, int
     int failed = 0, team = dsk__gemm_threaded(g);
     if (M <= 0 || N <= 0) return DSK_OK;
     if (K <= 0 || g->alpha == 0.0f) { dsk__scale_c(g); return DSK_OK; }
-    (void)n_threads; (void)team; /* used by the OpenMP clause only */
-    DSK__OMP(parallel num_threads(n_threads) if (team) reduction(|| : failed))
-    {
+    (void)n_threads;
+    (void)team; /* used by the OpenMP clause only */
+    DSK__OMP(parallel num_threads(n_threads) if (team) reduction(|| : failed)) {
         int nt = 1, tid = 0;
         int64_t tm, tn, mlo, mhi, nlo, nhi;
         float *ws;
