@@ -143,10 +143,10 @@
      forward's dispatch and the backward's, the router's backward while the expert gradients travel
      back. The same bits as serial (each result's arithmetic is unchanged; only independent steps
      move). Chunked dispatch
-     (opts.ep_chunk: ON where it applies: ep_overlap, the flat exchange, exact or bounded, of activation rows,
-     ACT experts, on the host the default ISA's row kernels; AUTO, the default, where the ep group spans nodes
-     (ep_route FLAT there: two hops do not chunk), as over one node's shared memory the exchange is short
-     and the chunks' smaller GEMMs cost more than it hides; ON pays where the link is slower than the
+     (opts.ep_chunk: ON where it applies: ep_overlap, the flat exchange, exact or bounded, or on the host two
+     hops, of activation rows, ACT experts, on the host the default ISA's row kernels; AUTO, the default, where
+     the ep group spans nodes and routes flat (two hops below), as over one node's shared memory the exchange is
+     short and the chunks' smaller GEMMs cost more than it hides; ON pays where the link is slower than the
      compute: on an emulated 0.1 GB/s link it hid the most of every overlap, bench/RESULTS.md): the rank's
      own rows need no transport, so the exchange begun carries only the other ranks' rows while the routed
      experts compute the own ones (forward: their MLP; backward: the input gradient of the output gradients'
@@ -189,7 +189,14 @@
      each forward (the kept order and gates come back, the route's own setup exchanges its counts through
      host memory: about 20 host syncs a forward at 4 ranks against the flat route's 1), which costs more
      than it saves until the plan moves to the device. ep_overlap moves two-hop exchanges to its thread or
-     stream as it does flat ones (not chunked: a node's rows come through its relay as one message).
+     stream as it does flat ones. ep_chunk ON chunks them on the host: the route, which lands every rank's rows
+     at once (a node's come through its relay as one message), runs whole on the thread while the experts
+     compute this rank's own rows, copied from its send rows as the flat path does; the route's rows are then
+     placed in the flat exchange's order (by source rank, each its local experts' segments: the index XI and
+     the gates XG, made once a forward from both orders' regroup indices), each other rank's a chunk, and the
+     results go back from that order (YI). AUTO does not chunk two hops: at 4 ranks on 2 emulated hosts over 2
+     cores the route's thread and the chunks' compute shared the cores and the step took 3-9 ms longer; at 2
+     ranks it was 1-2 ms shorter (bench/RESULTS.md).
      stats.bytes_off_node counts the bytes of rows each rank's exchanges send to other nodes (flat and bounded
      too), stats.rows_off_node the dispatch's rows (two hops: token rows).
      FP8 dispatch (opts.ep_dispatch = DSK_MOE_DISPATCH_FP8, DeepSeek-V3's): the forward's kept
@@ -328,12 +335,13 @@ typedef enum dsk_moe_ep_route {
 } dsk_moe_ep_route;
 /* Chunked dispatch (see "Overlap" above): whether the routed experts start on the rows that need no transport. */
 typedef enum dsk_moe_ep_chunk {
-    DSK_MOE_CHUNK_AUTO = 0, /* ON where a CPU layer's ep group spans nodes (with ep_route FLAT: AUTO routes there
-                               in two hops, which do not chunk); over one node's shared memory the chunks' smaller
-                               GEMMs cost more than the short exchange they hide (bench/RESULTS.md); CUDA: OFF */
+    DSK_MOE_CHUNK_AUTO = 0, /* ON where a CPU layer's ep group spans nodes and routes flat (ep_route AUTO routes
+                               there in two hops, which AUTO does not chunk); over one node's shared memory the
+                               chunks' smaller GEMMs cost more than the short exchange they hide
+                               (bench/RESULTS.md); CUDA: OFF */
     DSK_MOE_CHUNK_OFF = 1,  /* the experts wait for every row */
-    DSK_MOE_CHUNK_ON = 2    /* where it applies: ep_overlap, the flat exchange (exact or bounded) of activation
-                               rows, ACT experts */
+    DSK_MOE_CHUNK_ON = 2    /* where it applies: ep_overlap, the flat exchange (exact or bounded) or a CPU
+                               layer's two hops, of activation rows, ACT experts */
 } dsk_moe_ep_chunk;
 
 /* The routing configuration: what every MoE step of the math below takes instead of positional
@@ -3675,7 +3683,9 @@ static dsk_status dsk__moe_from_experts_bounded(dsk_moe *m, dsk_ctx *ctx, const 
    gate there (the product g * dy the sender makes on the flat path: the same bits). Outputs come back by the
    route's combine, one row per slot, then into the kept order. The plan is made on the host; a CUDA layer
    copies the kept order and gates back once a forward (after the counts' sync, which the exact exchange has
-   anyway), sends the routing from device memory, and uploads the indices for its device gathers. */
+   anyway), sends the routing from device memory, and uploads the indices for its device gathers. A chunked CPU
+   layer (opts.ep_chunk) takes the route's rows in the flat exchange's order instead (XI, XG), and sends its
+   results back from that order (YI). */
 enum {
     DSK__MOE_HOP_RG,
     DSK__MOE_HOP_RGI,
@@ -3684,6 +3694,9 @@ enum {
     DSK__MOE_HOP_STAGE0,
     DSK__MOE_HOP_STAGE1,
     DSK__MOE_HOP_META,
+    DSK__MOE_HOP_XI,
+    DSK__MOE_HOP_XG,
+    DSK__MOE_HOP_YI,
     DSK__MOE_HOP_N
 };
 
@@ -3695,6 +3708,8 @@ struct dsk__moe_hop {
     int32_t *kidx;     /* (n_kept) kept row <- the route's used slot */
     float *gate;       /* (R) expert-major: each received row's gate */
     float *stage[2];   /* (max(R, n_kept), D) rows between the route and the gathers (CPU) */
+    int32_t *xi, *yi;  /* CPU, (R): the flat exchange's row <- the route's received row, and back */
+    float *xg;         /* CPU, (R): the flat exchange's order: each received row's gate */
     int64_t rows;      /* rows of a stage */
     dsk_tensor dev[DSK__MOE_HOP_N]; /* CUDA: rg, rgi, kidx, gate, the stages (act) and meta on the device */
 };
@@ -3708,6 +3723,9 @@ static void dsk__moe_hop_arrays_free(struct dsk__moe_hop *h, dsk_ctx *ctx) {
     DSK_FREE(h->rgi);
     DSK_FREE(h->kidx);
     DSK_FREE(h->gate);
+    DSK_FREE(h->xi);
+    DSK_FREE(h->yi);
+    DSK_FREE(h->xg);
     DSK_FREE(h->stage[0]);
     DSK_FREE(h->stage[1]);
     memset(h, 0, sizeof *h);
@@ -3723,8 +3741,9 @@ static void dsk__moe_hop_free(struct dsk__moe_hop *h, dsk_ctx *ctx) {
    on the CPU, its device copy on CUDA. */
 static dsk_tensor dsk__moe_hop_view(const dsk_moe *m, int i, int64_t rows, int64_t cols) {
     struct dsk__moe_hop *h = m->st->f->hop;
-    void *host[DSK__MOE_HOP_N] = {h->rg, h->rgi, h->kidx, h->gate, h->stage[0], h->stage[1], h->meta};
-    dsk_dtype dt = i == DSK__MOE_HOP_GATE                                 ? DSK_F32
+    void *host[DSK__MOE_HOP_N] = {h->rg,       h->rgi,  h->kidx, h->gate, h->stage[0],
+                                  h->stage[1], h->meta, h->xi,   h->xg,   h->yi};
+    dsk_dtype dt = i == DSK__MOE_HOP_GATE || i == DSK__MOE_HOP_XG         ? DSK_F32
                    : i == DSK__MOE_HOP_STAGE0 || i == DSK__MOE_HOP_STAGE1 ? m->st->act
                                                                           : DSK_I32;
     int64_t sh[2] = {rows, cols};
@@ -3860,6 +3879,19 @@ static dsk_status dsk__moe_hop_upload(dsk_moe *m, dsk_ctx *ctx, int64_t n_kept) 
     return dsk_tensor_alloc_on(ctx, m->device, &h->dev[DSK__MOE_HOP_STAGE1], m->st->act, 2, sh);
 }
 
+/* CPU: the route's received rows in the flat exchange's order (by source rank, a source's rows by local expert),
+   where a chunked layer computes (XI, XG), and back (YI): both orders meet in the expert-major one (the flat
+   exchange's RG and RGI in st->f->h_rg, the route's rg and rgi). */
+static void dsk__moe_hop_flat_order(dsk_moe *m) {
+    struct dsk__moe_hop *h = m->st->f->hop;
+    const int32_t *frg = m->st->f->h_rg, *frgi = frg + m->st->f->R;
+    for (int64_t i = 0; i < m->st->f->R; i++) {
+        h->xi[i] = h->rg[frgi[i]];
+        h->xg[i] = h->gate[frgi[i]];
+        h->yi[i] = frg[h->rgi[i]];
+    }
+}
+
 /* The forward's route (collective over ep): destinations and routing of this rank's T tokens from the kept
    order (perm, off (E + 1) the experts' offsets in it, gate (T K)), sent to the experts' ranks; every index
    of the exchanges that follow. */
@@ -3888,7 +3920,13 @@ static dsk_status dsk__moe_hop_plan(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t
     h->kidx = (int32_t *)DSK_MALLOC((size_t)(n_kept + TK + 1) * sizeof(int32_t));
     h->gate = (float *)DSK_MALLOC((size_t)(R + 1) * sizeof(float));
     for (int i = 0; i < 2 && !dev; i++) h->stage[i] = (float *)DSK_MALLOC((size_t)(h->rows * D + 1) * sizeof(float));
-    if (!h->dest || !h->meta || !h->rg || !h->rgi || !h->kidx || !h->gate || (!dev && (!h->stage[0] || !h->stage[1])))
+    if (!dev) {
+        h->xi = (int32_t *)DSK_MALLOC((size_t)(R + 1) * sizeof(int32_t));
+        h->yi = (int32_t *)DSK_MALLOC((size_t)(R + 1) * sizeof(int32_t));
+        h->xg = (float *)DSK_MALLOC((size_t)(R + 1) * sizeof(float));
+    }
+    if (!h->dest || !h->meta || !h->rg || !h->rgi || !h->kidx || !h->gate ||
+        (!dev && (!h->stage[0] || !h->stage[1] || !h->xi || !h->yi || !h->xg)))
         return dsk_set_error(DSK_ERR_OOM, "dsk_moe_forward: two-hop indices of %lld tokens, %lld rows", (long long)T,
                              (long long)R);
     if (dev) DSK__TRY(dsk__moe_hop_inputs(m, ctx, perm, off, gate, &in));
@@ -3921,11 +3959,32 @@ static dsk_status dsk__moe_hop_plan(dsk_moe *m, dsk_ctx *ctx, int64_t T, int64_t
     dsk__moe_count_off(m, (uint64_t)h->rt.dispatch_rows_off_node * 2 * K * sizeof(int32_t));
     e = dsk__moe_hop_parse(m, h->meta + T * 2 * K, le, le + R);
     if (e == DSK_OK) e = dsk__moe_hop_regroup(m, le, le + R);
+    if (e == DSK_OK && !dev) dsk__moe_hop_flat_order(m);
     return e == DSK_OK && dev ? dsk__moe_hop_upload(m, ctx, n_kept) : e;
 }
 
-/* Token rows (T, D) through the route to the experts' ranks, expert-major into dst (R, D); scaled: times each
-   row's gate (backward's g * dy). */
+static dsk_status dsk__moe_stage(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *stage);
+static void dsk__moe_stage_span(const dsk_moe *m, int r, int64_t *r0, int64_t *n);
+
+/* Chunked: the route's received rows (src, R) into the flat exchange's stage, all but this rank's own, which
+   the layer copies there and computes while the route runs (dsk__moe_own_to_stage); scaled as below. */
+static dsk_status dsk__moe_hop_to_stage(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *src, int scaled) {
+    int64_t r0, n, R = m->st->f->R;
+    dsk_tensor stage, xi = dsk__moe_hop_view(m, DSK__MOE_HOP_XI, R, 0),
+                      xg = dsk__moe_hop_view(m, DSK__MOE_HOP_XG, R, 0);
+    dsk__moe_stage_span(m, m->ep_rank, &r0, &n);
+    DSK__TRY(dsk__moe_stage(m, ctx, &stage));
+    for (int part = 0; part < 2; part++) { /* the rows before this rank's own, then after them */
+        int64_t a = part ? r0 + n : 0, len = part ? R - r0 - n : r0;
+        dsk_tensor d = dsk__moe_row_range(&stage, a, len), i = dsk__moe_row_range(&xi, a, len),
+                   g = dsk__moe_row_range(&xg, a, len);
+        if (len) DSK__TRY(dsk_gather_rows_scaled(ctx, &d, src, &i, scaled ? &g : NULL));
+    }
+    return DSK_OK;
+}
+
+/* Token rows (T, D) through the route to the experts' ranks, expert-major into dst (R, D) (chunked: into the
+   stage, dsk__moe_hop_to_stage); scaled: times each row's gate (backward's g * dy). */
 static dsk_status dsk__moe_hop_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *tok, dsk_tensor *dst,
                                           int scaled) {
     struct dsk__moe_hop *h = m->st->f->hop;
@@ -3935,15 +3994,17 @@ static dsk_status dsk__moe_hop_to_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_te
     dsk_tensor gate = dsk__moe_hop_view(m, DSK__MOE_HOP_GATE, R, 0);
     DSK__TRY(dsk_moe_route_dispatch(&h->rt, ctx, tok->data, D, tok->dtype, stage.data));
     dsk__moe_count_off(m, (uint64_t)h->rt.dispatch_rows_off_node * (uint64_t)D * dsk_dtype_size(tok->dtype));
+    if (m->st->chunked) return dsk__moe_hop_to_stage(m, ctx, &stage, scaled);
     return dsk_gather_rows_scaled(ctx, dst, &stage, &rg, scaled ? &gate : NULL);
 }
 
-/* Rows (R, expert-major) back through the route to their tokens' ranks, into dst (n_kept, kept order). */
+/* Rows (R, expert-major; chunked: the flat exchange's order) back through the route to their tokens' ranks, into
+   dst (n_kept, kept order). */
 static dsk_status dsk__moe_hop_from_experts(dsk_moe *m, dsk_ctx *ctx, const dsk_tensor *rows, dsk_tensor *dst) {
     struct dsk__moe_hop *h = m->st->f->hop;
     int64_t R = m->st->f->R, D = m->opts.d_model, n = dst->shape[0];
     dsk_tensor sent = dsk__moe_hop_view(m, DSK__MOE_HOP_STAGE0, R, D);
-    dsk_tensor rgi = dsk__moe_hop_view(m, DSK__MOE_HOP_RGI, R, 0);
+    dsk_tensor rgi = dsk__moe_hop_view(m, m->st->chunked ? DSK__MOE_HOP_YI : DSK__MOE_HOP_RGI, R, 0);
     dsk_tensor back = dsk__moe_hop_view(m, DSK__MOE_HOP_STAGE1, h->rt.slots, D);
     dsk_tensor kidx = dsk__moe_hop_view(m, DSK__MOE_HOP_KIDX, n, 0);
     if (h->rt.slots != n)
@@ -4169,15 +4230,17 @@ static dsk_status dsk__moe_join_on_error(dsk__moe_async *a, dsk_status s) {
    order the chunks run in; what the weight gradients need is regrouped expert-major after the last chunk, where
    they sum whole segments, as serial. */
 
-/* Chunks on this call: ON (or AUTO with a CPU layer's ep group across nodes), ep_overlap (CUDA: its exchanges'
-   stream), the flat exchange (exact or bounded) of activation rows, ACT experts; on the CPU (f32) the default ISA's
-   row kernels (backward's SwiGLU gradient, dsk_swiglu_grad_cpu). */
+/* Chunks on this call: ON (or AUTO with a CPU layer's ep group across nodes, routed flat), ep_overlap (CUDA: its
+   exchanges' stream), the flat exchange (exact or bounded) or on the CPU two hops, of activation rows, ACT
+   experts; on the CPU (f32) the default ISA's row kernels (backward's SwiGLU gradient, dsk_swiglu_grad_cpu). */
 static int dsk__moe_chunking(const dsk_moe *m, const dsk_ctx *ctx) {
     const dsk_moe_opts *o = &m->opts;
     if (m->ep_size <= 1 || !o->ep_overlap || o->ep_chunk == DSK_MOE_CHUNK_OFF) return 0;
-    if (o->ep_chunk == DSK_MOE_CHUNK_AUTO && (o->ep->n_nodes < 2 || m->device.type == DSK_DEV_CUDA)) return 0;
-    if (o->ep_route != DSK_MOE_ROUTE_FLAT || o->ep_dispatch != DSK_MOE_DISPATCH_ACT ||
-        o->expert_gemm != DSK_MOE_GEMM_ACT)
+    if (o->ep_chunk == DSK_MOE_CHUNK_AUTO &&
+        (o->ep->n_nodes < 2 || m->device.type == DSK_DEV_CUDA || o->ep_route == DSK_MOE_ROUTE_TWO_HOP))
+        return 0;
+    if ((o->ep_route == DSK_MOE_ROUTE_TWO_HOP && m->device.type == DSK_DEV_CUDA) ||
+        o->ep_dispatch != DSK_MOE_DISPATCH_ACT || o->expert_gemm != DSK_MOE_GEMM_ACT)
         return 0;
     if (m->device.type == DSK_DEV_CUDA) return m->st->side != NULL;
     return m->st->act == DSK_F32 && (!ctx || ctx->cpu_isa == dsk_cpu_isa_auto());
@@ -4290,12 +4353,19 @@ static int dsk__moe_arrival_failed(dsk__moe_async *a, dsk_status s) {
 }
 
 /* The k-th other rank whose rows have landed, moving the begun exchange on (dsk_comm_progress, waiting) until
-   they have; CUDA: rank me - k - 1 of the ring shifts, once the layer's stream waits for the shift's event (the
-   host does not wait). -1 once all P - 1 came, or on the exchange's error (kept for the join). */
+   they have; two hops: all of them once the route's thread is joined; CUDA: rank me - k - 1 of the ring shifts,
+   once the layer's stream waits for the shift's event (the host does not wait). -1 once all P - 1 came, or on
+   the exchange's error (kept for the join). */
 static int dsk__moe_next_arrival(dsk__moe_async *a, int k) {
     dsk_moe *m = a->m;
     dsk_status s;
-    if (k >= m->ep_size - 1 || a->st != DSK_OK) return -1;
+    if (k >= m->ep_size - 1) return -1;
+    if (!a->begun && !a->forked && a->n_arrived == 0) { /* two hops: the route's thread lands every rank's rows */
+        if (a->started && (s = dsk__moe_exchange_wait(a)) != DSK_OK) return dsk__moe_arrival_failed(a, s);
+        for (int r = 0; r < m->ep_size && a->st == DSK_OK; r++) m->st->landed[r] = 1;
+        if (a->st == DSK_OK) dsk__moe_queue_landed(a);
+    }
+    if (a->st != DSK_OK) return -1;
 #ifdef DSK_CUDA
     if (a->forked) {
         if ((s = dsk_cuda_stream_wait_event(a->caller->stream, m->st->ev_shift[k])) != DSK_OK)

@@ -48,6 +48,7 @@ static const variant variants[] = {
     {"exact, overlapped, chunked, node-limited", 0, 0, 1, 0, 1, 0, 0, 0},
     {"exact, serial, two-hop", 1, 0, 0, 1, 0, 0, 0, 0},
     {"exact, overlapped, two-hop", 0, 0, 0, 1, 0, 0, 0, 0},
+    {"exact, overlapped, chunked, two-hop", 0, 0, 0, 1, 1, 0, 0, 0},
     {"exact, serial, FP8 dispatch", 1, 0, 0, 0, 0, 1, 0, 0},
     {"exact, overlapped, FP8 dispatch", 0, 0, 0, 0, 0, 1, 0, 0},
     {"exact, serial, two-hop, node-limited", 1, 0, 1, 1, 0, 0, 0, 0},

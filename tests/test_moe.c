@@ -1960,11 +1960,16 @@ static int ep_bounded_same(dsk_comm *c, dsk_moe_opts o, int rank, const float *x
    pipeline order of sl_run), each call split in its begin and end or in all its steps, and (dropless) two
    layers' calls in interleaved steps (sl_pair), give the serial order's bits, with the exact exchange serial
    and overlapped and chunked, the bounded one overlapped (chunked or not), FP8 dispatch and experts overlapped, and
-   across 2 nodes two hops; dropless, under capacity and (2 nodes) node-limited. */
+   across 2 nodes two hops, serial and overlapped and chunked; dropless, under capacity and (2 nodes)
+   node-limited. */
 static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
-    static const char *names[] = {"exact serial",       "exact overlapped chunked",
-                                  "bounded overlapped", "FP8 dispatch and experts overlapped",
-                                  "two hops",           "bounded overlapped chunked"};
+    static const char *names[] = {"exact serial",
+                                  "exact overlapped chunked",
+                                  "bounded overlapped",
+                                  "FP8 dispatch and experts overlapped",
+                                  "two hops",
+                                  "bounded overlapped chunked",
+                                  "two hops overlapped chunked"};
     sl_io io;
     int ok = 1;
     for (int i = 0; i < SL_MB; i++) { /* x, dy; dy, x; -x, 2 dy; (x + dy) / 2, -dy */
@@ -1977,13 +1982,13 @@ static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const floa
             io.dy[i][j] = i == 0 ? d : i == 1 ? x : i == 2 ? 2.0f * d : -d;
         }
     }
-    for (int k = 0; k < 6 * 3; k++) {
+    for (int k = 0; k < 7 * 3; k++) {
         static const char *cfs[] = {"dropless", "capacity 0.75", "node-limited"};
-        int v = k % 6, cf = k / 6;
+        int v = k % 7, cf = k / 7;
         dsk_moe_opts b = o;
         size_t n1 = 0, n2 = 0;
         float *serial, *slots;
-        if ((v == 4 || cf == 2) && c->n_nodes < 2) continue; /* two hops and node limits: across nodes */
+        if ((v == 4 || v == 6 || cf == 2) && c->n_nodes < 2) continue; /* two hops and node limits: across nodes */
         b.capacity_factor = cf == 1 ? 0.75f : 0.0f;
         if (cf == 2) { /* each token's experts on one node */
             b.n_group = 0;
@@ -1991,11 +1996,11 @@ static int ep_slots_same(const dsk_comm *c, dsk_moe_opts o, int rank, const floa
             b.node_limit = 1;
         }
         b.ep_overlap = v > 0 && v != 4;
-        b.ep_chunk = v == 1 || v == 5 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+        b.ep_chunk = v == 1 || v == 5 || v == 6 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
         b.ep_exchange = v == 2 || v == 5 ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
         b.ep_dispatch = v == 3 ? DSK_MOE_DISPATCH_FP8 : DSK_MOE_DISPATCH_ACT;
         b.expert_gemm = v == 3 ? DSK_MOE_GEMM_FP8 : DSK_MOE_GEMM_ACT;
-        b.ep_route = v == 4 ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
+        b.ep_route = v == 4 || v == 6 ? DSK_MOE_ROUTE_TWO_HOP : DSK_MOE_ROUTE_FLAT;
         serial = sl_run(b, &io, 1, SL_WHOLE, &n1);
         for (int mode = SL_SPLIT; mode < SL_SKIP; mode++) { /* the others: test_slots_same_bits */
             slots = sl_run(b, &io, 2, mode, &n2);
@@ -2151,9 +2156,10 @@ static uint64_t ep_off_bytes(const int32_t *all, int P, int L, int me, int two, 
     return 2 * (to + back) + meta;
 }
 
-/* Two hops in the layer (4 ranks on 2 emulated nodes): the two-hop layer, serial and on ep_overlap's thread,
-   gives the flat one's outputs, gradients, loads and bias bit for bit, dropless, under capacity 0.75 and
-   node-limited (M = 1); and its
+/* Two hops in the layer (4 ranks on 2 emulated nodes): the two-hop layer, serial, on ep_overlap's thread and
+   chunked there (ep_chunk ON: the experts compute this rank's own rows while the route carries the others', then
+   each other rank's; stats.ep_chunks one a rank, 0 unchunked and with AUTO, which does not chunk two hops), gives the flat one's outputs, gradients, loads
+   and bias bit for bit, dropless, under capacity 0.75 and node-limited (M = 1); and its
    statistics count the bytes sent off the node as ep_off_bytes computes them from the routing, fewer over the
    group than the flat layer's. 1 if all hold. */
 static int ep_two_hop(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
@@ -2173,14 +2179,22 @@ static int ep_two_hop(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows
         v.ep_overlap = 0;
         if (ep_step_record(c, v, x_rows, dy_rows, &a, &na, NULL)) ok = 0;
         v.ep_route = DSK_MOE_ROUTE_TWO_HOP;
-        for (int ov = 0; ov < 2; ov++, b = NULL) { /* serial, then on ep_overlap's thread */
-            v.ep_overlap = ov;
-            if (ep_step_record(c, v, x_rows, dy_rows, &b, &nb, NULL)) ok = 0;
+        for (int ov = 0; ov < 4; ov++, b = NULL) { /* serial; on ep_overlap's thread, unchunked, chunked, AUTO */
+            static const char *how[] = {"", " overlapped", " overlapped chunked", " overlapped, ep_chunk AUTO"};
+            int64_t chunks = -1;
+            v.ep_overlap = ov > 0;
+            v.ep_chunk = ov == 2 ? DSK_MOE_CHUNK_ON : ov == 3 ? DSK_MOE_CHUNK_AUTO : DSK_MOE_CHUNK_OFF;
+            if (ep_step_record(c, v, x_rows, dy_rows, &b, &nb, &chunks)) ok = 0;
+            if (ok && chunks != (ov == 2 ? c->world_size : 0)) {
+                fprintf(stderr, "rank %d config %d: two hops%s ran %lld chunks\n", rank, cfg, how[ov],
+                        (long long)chunks);
+                ok = 0;
+            }
             if (ok && (na != nb || memcmp(a, b, sizeof(float) * na) != 0)) {
                 size_t i = 0;
                 while (i < na && !memcmp(a + i, b + i, sizeof(float))) i++;
                 fprintf(stderr, "rank %d config %d: two hops%s differ from flat at float %zu of %zu\n", rank, cfg,
-                        ov ? " overlapped" : "", i, na);
+                        how[ov], i, na);
                 ok = 0;
             }
             free(b);
