@@ -195,8 +195,8 @@
      placed in the flat exchange's order (by source rank, each its local experts' segments: the index XI and
      the gates XG, made once a forward from both orders' regroup indices), each other rank's a chunk, and the
      results go back from that order (YI). AUTO does not chunk two hops: at 4 ranks on 2 emulated hosts over 2
-     cores the route's thread and the chunks' compute shared the cores and the step took 3-9 ms longer; at 2
-     ranks it was 1-2 ms shorter (bench/RESULTS.md).
+     cores the route's thread and the chunks' compute shared the cores and the step took 1.9-9.4 ms longer in
+     five runs of six; at 2 ranks, one a core, it was 1.0-2.2 ms shorter in all five (bench/RESULTS.md).
      stats.bytes_off_node counts the bytes of rows each rank's exchanges send to other nodes (flat and bounded
      too), stats.rows_off_node the dispatch's rows (two hops: token rows).
      FP8 dispatch (opts.ep_dispatch = DSK_MOE_DISPATCH_FP8, DeepSeek-V3's): the forward's kept
