@@ -1825,14 +1825,17 @@ static int ep_step_record(dsk_comm *c, dsk_moe_opts o, const float *x_rows, cons
 }
 
 /* A batch of no tokens under expert parallelism (a rank's share of an uneven split): rank 0's empty, the exact
-   exchange overlapped and chunked give the serial one's bits on every rank; every rank's empty (the bounded
-   exchange needs one T), the bounded one serial, overlapped and chunked give the exact one's. 1 if all hold. */
+   exchange overlapped and chunked, and across emulated nodes two hops overlapped and chunked, give the serial
+   one's bits on every rank; every rank's empty (the bounded exchange needs one T), the bounded one serial,
+   overlapped and chunked give the exact one's. 1 if all hold. */
 static int ep_empty_batch(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
-    static const char *names[] = {"exact serial",   "exact overlapped",   "exact overlapped chunked",
-                                  "bounded serial", "bounded overlapped", "bounded overlapped chunked"};
+    static const char *names[] = {
+        "exact serial",       "exact overlapped",           "exact overlapped chunked",   "bounded serial",
+        "bounded overlapped", "bounded overlapped chunked", "two hops overlapped chunked"};
     float *ref[2] = {NULL, NULL};
     size_t nref[2] = {0, 0};
     int ok = 1;
+    dsk_moe_ep_route route = o.ep_route;
     for (int all = 0; all < 2; all++) {
         o.ep_exchange = DSK_MOE_EP_EXACT;
         o.ep_overlap = 0;
@@ -1843,13 +1846,15 @@ static int ep_empty_batch(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_
             ok = 0;
         }
     }
-    for (int v = 1; v < 6; v++) {
+    for (int v = 1; v < 7; v++) {
         float *d = NULL;
         size_t nd = 0;
-        int all = v >= 3;
+        int all = v >= 3 && v < 6;
+        if (v == 6 && c->n_nodes < 2) break; /* two hops: across emulated nodes */
         o.ep_exchange = all ? DSK_MOE_EP_BOUNDED : DSK_MOE_EP_EXACT;
-        o.ep_overlap = v % 3 > 0;
-        o.ep_chunk = v % 3 == 2 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+        o.ep_overlap = v % 3 > 0 || v == 6;
+        o.ep_chunk = v % 3 == 2 || v == 6 ? DSK_MOE_CHUNK_ON : DSK_MOE_CHUNK_OFF;
+        o.ep_route = v == 6 ? DSK_MOE_ROUTE_TWO_HOP : route;
         if (ep_step_record_t(c, o, all || rank == 0 ? 0 : EP_T, x_rows, dy_rows, &d, &nd, NULL)) {
             fprintf(stderr, "rank %d: %s with %s empty: %s\n", rank, names[v], all ? "every batch" : "rank 0's",
                     dsk_last_error());
