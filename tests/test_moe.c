@@ -2163,10 +2163,10 @@ static uint64_t ep_off_bytes(const int32_t *all, int P, int L, int me, int two, 
 
 /* Two hops in the layer (4 ranks on 2 emulated nodes): the two-hop layer, serial, on ep_overlap's thread and
    chunked there (ep_chunk ON: the experts compute this rank's own rows while the route carries the others', then
-   each other rank's; stats.ep_chunks one a rank, 0 unchunked and with AUTO, which does not chunk two hops), gives the flat one's outputs, gradients, loads
-   and bias bit for bit, dropless, under capacity 0.75 and node-limited (M = 1); and its
-   statistics count the bytes sent off the node as ep_off_bytes computes them from the routing, fewer over the
-   group than the flat layer's. 1 if all hold. */
+   each other rank's; stats.ep_chunks one a rank, 0 unchunked and with AUTO, which does not chunk two hops),
+   gives the flat one's outputs, gradients, loads and bias bit for bit, dropless, under capacity 0.75 and
+   node-limited (M = 1); and its statistics count the bytes sent off the node as ep_off_bytes computes them from
+   the routing, fewer over the group than the flat layer's. 1 if all hold. */
 static int ep_two_hop(dsk_comm *c, dsk_moe_opts o, int rank, const float *x_rows, const float *dy_rows) {
     int ok = 1;
     uint64_t got[2], want[2], fgot[2], fwant[2], sum[2];
