@@ -4094,7 +4094,7 @@ static void *dsk__moe_async_main(void *p) {
 }
 
 static dsk_status dsk__moe_stage_to_experts(dsk_moe *m, dsk_ctx *ctx, dsk_tensor *dst);
-static void dsk__moe_queue_landed(dsk__moe_async *a);
+static void dsk__moe_queue_all(dsk__moe_async *a);
 #ifdef DSK_CUDA
 static void dsk__moe_queue_shifts(dsk__moe_async *a, int k);
 #endif
@@ -4114,8 +4114,7 @@ static int dsk__moe_begins(const dsk_moe *m, int way) {
 static dsk_status dsk__moe_exchange_finish(dsk__moe_async *a) {
     DSK__TRY(dsk_comm_finish(a->m->opts.ep, a->ctx));
     if (a->chunked) {
-        for (int r = 0; r < a->m->ep_size; r++) a->m->st->landed[r] = 1;
-        dsk__moe_queue_landed(a);
+        dsk__moe_queue_all(a);
         return DSK_OK;
     }
     if (a->way != DSK__MOE_XCH_FROM_EXPERTS) return dsk__moe_stage_to_experts(a->m, a->ctx, a->dst);
@@ -4336,6 +4335,12 @@ static void dsk__moe_queue_landed(dsk__moe_async *a) {
     }
 }
 
+/* Every rank's rows have landed (the exchange is over): queues those not queued yet. */
+static void dsk__moe_queue_all(dsk__moe_async *a) {
+    for (int r = 0; r < a->m->ep_size; r++) a->m->st->landed[r] = 1;
+    dsk__moe_queue_landed(a);
+}
+
 #ifdef DSK_CUDA
 /* CUDA: queues the ranks of the ring shifts up to shift k + 1 not queued yet (rank me - j - 1 for shift j + 1),
    whose rows the layer's stream reads once it has waited for their events or for the exchange's end. */
@@ -4362,8 +4367,7 @@ static int dsk__moe_next_arrival(dsk__moe_async *a, int k) {
     if (k >= m->ep_size - 1) return -1;
     if (!a->begun && !a->forked && a->n_arrived == 0) { /* two hops: the route's thread lands every rank's rows */
         if (a->started && (s = dsk__moe_exchange_wait(a)) != DSK_OK) return dsk__moe_arrival_failed(a, s);
-        for (int r = 0; r < m->ep_size && a->st == DSK_OK; r++) m->st->landed[r] = 1;
-        if (a->st == DSK_OK) dsk__moe_queue_landed(a);
+        if (a->st == DSK_OK) dsk__moe_queue_all(a);
     }
     if (a->st != DSK_OK) return -1;
 #ifdef DSK_CUDA
